@@ -92,3 +92,117 @@ class Dispatched:
     masked_m: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class LayerProblem:
+    """What one MoE layer asks of its backends: the planner's input, and each backend's ``problem``.
+
+    :param name: the experts container module path (``model.layers.3.mlp.experts``).
+    :param format: the layer's weight format (``moe_runtime.formats``).
+    :param activation: ``"silu"`` or ``"gelu"`` (gated: ``act(gate) * up``).
+    :param num_experts: routed experts of the layer, all ranks together.
+    :param top_k: experts per token.
+    :param hidden_size: H.
+    :param intermediate_size: I, one expert's intermediate size.
+    :param dtype: the model's activation dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``).
+    """
+
+    name: str
+    format: str
+    activation: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: str = "bfloat16"
+
+
+@attrs.frozen
+class ExpertsSetup:
+    """Everything an experts backend is constructed with (keyword ``setup=``).
+
+    :param problem: the layer.
+    :param runs_as: the format the backend is asked to run (differs from ``problem.format`` when the
+        plan degrades, e.g. ``nvfp4_w4a4`` weights run as ``nvfp4_w4a16``).
+    :param payload: the activation payload ``dispatch`` will deliver.
+    :param layout: the token layout ``dispatch`` will deliver.
+    :param ep_rank: this rank; ``ep_size``: ranks in the expert-parallel group.
+    :param device: the torch device string the backend runs on.
+    """
+
+    problem: LayerProblem
+    runs_as: str
+    payload: str
+    layout: str
+    ep_rank: int = 0
+    ep_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def num_local_experts(self) -> int:
+        base, rem = divmod(self.problem.num_experts, self.ep_size)
+        return base + (1 if self.ep_rank < rem else 0)
+
+    @property
+    def first_local_expert(self) -> int:
+        base, rem = divmod(self.problem.num_experts, self.ep_size)
+        return self.ep_rank * base + min(self.ep_rank, rem)
+
+
+class ExpertsBackend:
+    """Base class of experts (compute) backends. The factory is called as ``Cls(setup=...)``.
+
+    ``prepare`` runs once at load with the local experts' weights and may build any layout the
+    kernel wants; ``forward`` runs on what ``dispatch`` produced and must not call into the plugin
+    manager, loop over tokens in Python, or synchronise with the host if the backend claims speed.
+    """
+
+    def __init__(self, *, setup: ExpertsSetup) -> None:
+        self.setup = setup
+
+    def prepare(self, weights: ExpertWeights) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def forward(self, dispatched: Dispatched) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@attrs.frozen
+class CommSetup:
+    """Everything a communication backend is constructed with (keyword ``setup=``).
+
+    :param group: the ``torch.distributed`` process group of expert parallelism, or ``None``.
+    :param max_tokens_per_rank: the batch bound the plan was made for (low-latency buffers).
+    """
+
+    problem: LayerProblem
+    payload: str
+    layout: str
+    ep_rank: int = 0
+    ep_size: int = 1
+    device: str = "cpu"
+    max_tokens_per_rank: int = 4096
+    group: Any = attrs.field(default=None, eq=False, hash=False)
+
+
+class CommBackend:
+    """Base class of communication backends. The factory is called as ``Cls(setup=...)``.
+
+    ``dispatch(hidden, topk_ids, topk_weights, *, scales)`` takes the rank's tokens with *global*
+    expert ids and returns ``(Dispatched, handle)``; ``combine(expert_out, handle)`` returns the
+    ``[N, H]`` output in the rank's original token order. ``scales`` carries the layer's activation
+    scales (``a13_scale``) for quantized payloads. The handle holds all that combine needs.
+    """
+
+    def __init__(self, *, setup: CommSetup) -> None:
+        self.setup = setup
+
+    def dispatch(  # pragma: no cover - interface
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+        input_scale: torch.Tensor | None = None,
+    ) -> tuple[Dispatched, Any]:
+        raise NotImplementedError
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
