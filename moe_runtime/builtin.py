@@ -1,0 +1,75 @@
+"""The built-in plugin: formats, payloads, the reference experts backend and two communication
+backends. It registers through the same hooks a third-party plugin uses."""
+
+from __future__ import annotations
+
+from moe_runtime import formats as F
+from moe_runtime.declarations import (
+    CommBackendSpec,
+    CommSupport,
+    ExpertsBackendSpec,
+    Hardware,
+    Support,
+)
+from moe_runtime.hookspecs import hookimpl
+
+ALL_FORMATS = (F.BF16, F.FP16, F.FP8_W8A8, F.NVFP4_W4A4, F.NVFP4_W4A16)
+
+REFERENCE = ExpertsBackendSpec(
+    name="reference",
+    factory="moe_runtime.backends.reference:ReferenceExperts",
+    supports=(
+        Support(
+            formats=ALL_FORMATS,
+            activations=(F.SILU, F.GELU),
+            layouts=(F.TOKEN_MAJOR, F.MASKED),
+            payloads=(F.UNQUANTIZED, F.FP8),
+            hardware=Hardware(devices=("cpu", "cuda")),
+            note="pure-torch reference: exact dequantization, activation quantization emulated",
+        ),
+    ),
+    priority=0,
+    description="Pure-torch numerical reference for every built-in format (CPU and CUDA).",
+)
+
+LOCAL = CommBackendSpec(
+    name="local",
+    factory="moe_runtime.backends.local:LocalComm",
+    supports=(
+        CommSupport(layout=F.TOKEN_MAJOR, min_world_size=1, max_world_size=1, mode="token_major"),
+        CommSupport(layout=F.MASKED, min_world_size=1, max_world_size=1, mode="masked"),
+    ),
+    priority=10,
+    description="No expert parallelism: every expert is local.",
+)
+
+TORCH_ALL_TO_ALL = CommBackendSpec(
+    name="torch_all_to_all",
+    factory="moe_runtime.backends.all_to_all:TorchAllToAll",
+    supports=(
+        CommSupport(
+            layout=F.TOKEN_MAJOR,
+            payloads=(F.UNQUANTIZED, F.FP8),
+            min_world_size=1,
+            hardware=Hardware(devices=("cpu", "cuda"), requires=("torch",)),
+            mode="all_to_all",
+        ),
+    ),
+    priority=0,
+    description="Expert parallelism over torch.distributed all-to-all (NCCL on GPU, gloo on CPU).",
+)
+
+
+@hookimpl
+def moe_runtime_register_formats(register):
+    for fmt in F.BUILTIN_FORMATS:
+        register(fmt)
+    for payload in F.BUILTIN_PAYLOADS:
+        register(payload)
+
+
+@hookimpl
+def moe_runtime_register_backends(register):
+    register(REFERENCE)
+    register(LOCAL)
+    register(TORCH_ALL_TO_ALL)

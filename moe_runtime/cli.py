@@ -1,0 +1,262 @@
+"""``moe-runtime``: inspect plugins, plan checkpoints, run the conformance suite, serve models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from moe_runtime.declarations import describe_comm_support, describe_support
+
+EPILOG = """\
+plugins are loaded in this order: names blocked with -p no:NAME or MOE_RUNTIME_BLOCK_PLUGINS
+(comma-separated) are skipped; the built-in plugin; entry points of the group 'moe_runtime' (unless
+MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD=1); a plugin that fails to import is reported by
+`moe-runtime plugins` and skipped, or is fatal with --strict-plugins / MOE_RUNTIME_STRICT_PLUGINS=1.
+"""
+
+
+def _blocked(args) -> list[str]:
+    out = []
+    for item in args.plugin_opts or []:
+        if not item.startswith("no:"):
+            raise SystemExit(f"-p takes no:NAME to block a plugin, got {item!r}")
+        out.append(item[3:])
+    return out
+
+
+def load_registry(args):
+    from moe_runtime.manager import Registry
+
+    return Registry.load(
+        blocked=_blocked(args),
+        autoload=False if args.disable_plugin_autoload else None,
+        strict=True if args.strict_plugins else None,
+    )
+
+
+# ------------------------------------------------------------------------------------ plugins
+
+
+def cmd_plugins(args) -> int:
+    reg = load_registry(args)
+    data = {"plugins": [], "experts_backends": [], "communication_backends": [], "formats": []}
+    for info in reg.plugin_infos:
+        data["plugins"].append({
+            "name": info.name, "distribution": info.distribution, "version": info.version,
+            "module": info.module, "status": info.status, "error": info.error,
+        })
+    for name in sorted(reg.experts):
+        r = reg.experts[name]
+        data["experts_backends"].append({
+            "name": name, "plugin": r.plugin, "priority": r.spec.priority,
+            "factory": r.spec.factory, "description": r.spec.description,
+            "supports": [describe_support(s) for s in r.spec.supports],
+        })
+    for name in sorted(reg.comms):
+        r = reg.comms[name]
+        data["communication_backends"].append({
+            "name": name, "plugin": r.plugin, "priority": r.spec.priority,
+            "factory": r.spec.factory, "description": r.spec.description,
+            "modes": [describe_comm_support(s) for s in r.spec.supports],
+        })
+    for name in sorted(reg.formats):
+        f = reg.formats[name]
+        data["formats"].append({"name": name, "plugin": f.plugin,
+                                "description": f.spec.description})
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print("plugins:")
+    for p in data["plugins"]:
+        ver = f" {p['version']}" if p["version"] else ""
+        dist = f" ({p['distribution']}{ver})" if p["distribution"] else ""
+        line = f"  {p['name']}{dist}: {p['status']}"
+        if p["error"]:
+            line += f": {p['error'].splitlines()[0]}"
+        print(line)
+    print("experts backends:")
+    for b in data["experts_backends"]:
+        print(f"  {b['name']} [plugin {b['plugin']}, priority {b['priority']}] {b['description']}")
+        for s in b["supports"]:
+            extra = f" runs as {s['runs_as']}" if s["runs_as"] else ""
+            print(f"    formats {','.join(s['formats'])}{extra}; activations "
+                  f"{','.join(s['activations'])}; layouts {','.join(s['layouts'])}; payloads "
+                  f"{','.join(s['payloads'])}; {','.join(s['devices'])} (CUDA cc "
+                  f"{s['cuda_capabilities']})"
+                  + (f"; requires {','.join(s['requires'])}" if s["requires"] else ""))
+    print("communication backends:")
+    for b in data["communication_backends"]:
+        print(f"  {b['name']} [plugin {b['plugin']}, priority {b['priority']}] {b['description']}")
+        for m in b["modes"]:
+            bound = m["max_tokens_per_rank"]
+            print(f"    mode {m['mode']}: layout {m['layout']}; payloads {','.join(m['payloads'])}; "
+                  f"world size {m['world_size']}"
+                  + (f"; at most {bound} tokens/rank" if bound else "")
+                  + f"; {','.join(m['devices'])}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- plan
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
+                   help="pin the experts backend (default: the planner's choice per layer)")
+    p.add_argument("--moe-a2a-backend", default=None, metavar="NAME",
+                   help="pin the communication backend (default: the planner's choice)")
+    p.add_argument("--moe-a2a-payload", default=None, metavar="PAYLOAD",
+                   help="pin the dispatch payload (default: derived from both declarations)")
+    p.add_argument("--target-device", default=None, metavar="TARGET",
+                   help="plan for this device instead of probing: cpu, sm90, sm100, cuda:9.0 ...")
+    p.add_argument("--ep-size", type=int, default=1, metavar="N",
+                   help="expert-parallel ranks (default 1)")
+    p.add_argument("--max-tokens-per-rank", type=int, default=4096, metavar="N",
+                   help="largest batch per rank the deployment sends (default 4096)")
+    p.add_argument("--no-degradation", action="store_true",
+                   help="refuse declared degradations (e.g. NVFP4 W4A4 run as W4A16)")
+
+
+def make_plan(args, checkpoint, registry):
+    """Plan ``checkpoint`` (a CheckpointInfo) for the options in ``args``."""
+    from moe_runtime.environment import Environment
+    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.planner import Deployment, plan_model
+
+    if args.ep_size < 1:
+        raise SystemExit(f"--ep-size must be at least 1, got {args.ep_size}")
+    if args.target_device:
+        env = Environment.for_target(args.target_device)
+    else:
+        env = Environment.probe(device=getattr(args, "device", None),
+                                modules=registry.required_modules())
+    dep = Deployment(
+        ep_size=args.ep_size,
+        experts_backend=args.moe_runner_backend,
+        comm_backend=args.moe_a2a_backend,
+        payload=args.moe_a2a_payload,
+        max_tokens_per_rank=args.max_tokens_per_rank,
+        allow_degradation=not args.no_degradation,
+    )
+    return plan_model(problems_from_checkpoint(checkpoint), registry=registry, environment=env,
+                      deployment=dep)
+
+
+def cmd_plan(args) -> int:
+    from moe_runtime.checkpoint import CheckpointError, read_checkpoint
+    from moe_runtime.model_plan import checkpoint_summary
+    from moe_runtime.planner import PlanError
+
+    registry = load_registry(args)
+    try:
+        ckpt = read_checkpoint(args.checkpoint)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(args, ckpt, registry)
+    except (PlanError, ValueError) as exc:
+        if args.json:
+            rej = [r.to_json() for r in getattr(exc, "rejections", ())]
+            print(json.dumps({"checkpoint": checkpoint_summary(ckpt), "error": str(exc),
+                              "rejections": rej}, indent=2))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json()}, indent=2))
+        return 0
+    summary = checkpoint_summary(ckpt)
+    print(f"checkpoint {ckpt.path}: {summary['architecture']}, method {summary['method']} "
+          f"(reported only), {len(plan.layers)} MoE layers")
+    print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
+    rows = [("layer", "format", "communication", "experts", "notes")]
+    for lp in plan.layers:
+        notes = "; ".join(list(lp.degradations) + list(lp.notes))
+        comm = lp.comm if lp.payload == "unquantized" else f"{lp.comm} ({lp.payload})"
+        rows.append((lp.problem.name, lp.problem.format, comm, lp.experts, notes))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    if plan.rejections:
+        print("rejected:")
+        seen = set()
+        for r in plan.rejections:
+            key = (r.role, r.backend, r.reason, r.message)
+            if key in seen:
+                continue
+            seen.add(key)
+            layers = sum(1 for x in plan.rejections if (x.role, x.backend, x.reason, x.message)
+                         == key)
+            print(f"  {r.role} {r.backend}: {r.reason.value}: {r.message} ({layers} layer(s))")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-runtime",
+        description="Run Mixture-of-Experts layers through backends chosen from their declarations.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-p", dest="plugin_opts", action="append", metavar="no:NAME",
+                        help="block a plugin by name (repeatable)")
+    parser.add_argument("--disable-plugin-autoload", action="store_true",
+                        help="load no entry-point plugins, only the built-ins")
+    parser.add_argument("--strict-plugins", action="store_true",
+                        help="fail when a plugin cannot be loaded instead of reporting it")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list plugins, backends and their declarations")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("plan", help="show which backends would run each MoE layer of a checkpoint",
+                       description="Plan every MoE layer of a local checkpoint folder. Exits 1 when "
+                       "a requested backend cannot run a layer.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    add_plan_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    try:
+        from moe_runtime.testing.command import add_conformance_command
+    except ImportError:
+        pass
+    else:
+        add_conformance_command(sub)
+    try:
+        from moe_runtime.serve import add_serve_arguments, run_serve
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("serve", help="serve a MoE checkpoint over an OpenAI-compatible HTTP API")
+        add_serve_arguments(p)
+        p.set_defaults(func=run_serve)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from moe_runtime.manager import PluginError
+
+    try:
+        return int(args.func(args) or 0)
+    except PluginError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

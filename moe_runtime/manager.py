@@ -1,0 +1,283 @@
+"""Plugin manager and registry: load plugins one by one, collect their declarations.
+
+Loading order (as pytest documents its own): blocked names first (``-p no:NAME`` and
+``MOE_RUNTIME_BLOCK_PLUGINS``), then the built-in plugin, then entry points of the group
+``moe_runtime`` unless ``MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD`` is set, then plugins passed explicitly.
+A plugin that fails to import is recorded and skipped, or raises in strict mode
+(``MOE_RUNTIME_STRICT_PLUGINS=1``). Each call builds a fresh manager: no global state.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import traceback
+from typing import Iterable
+
+import attrs
+import pluggy
+
+from moe_runtime import formats as F
+from moe_runtime import hookspecs
+from moe_runtime.declarations import CommBackendSpec, ExpertsBackendSpec
+
+ENTRYPOINT_GROUP = "moe_runtime"
+ENV_BLOCK = "MOE_RUNTIME_BLOCK_PLUGINS"
+ENV_NO_AUTOLOAD = "MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD"
+ENV_STRICT = "MOE_RUNTIME_STRICT_PLUGINS"
+BUILTIN_NAME = "builtin"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded (strict mode) or two plugins collide."""
+
+
+class RegistryError(PluginError):
+    """Two plugins declared the same backend or format name, or a declaration is invalid."""
+
+
+@attrs.frozen
+class PluginInfo:
+    """What ``moe-runtime plugins`` reports for one plugin."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    module: str | None
+    status: str  # "loaded" | "failed" | "blocked"
+    error: str | None = None
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def blocked_from_env(environ=None) -> frozenset[str]:
+    environ = os.environ if environ is None else environ
+    return frozenset(n.strip() for n in environ.get(ENV_BLOCK, "").split(",") if n.strip())
+
+
+class MoEPluginManager(pluggy.PluginManager):
+    """A pluggy manager that also remembers every plugin it tried to load."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+        self.plugin_infos: list[PluginInfo] = []
+
+
+def get_plugin_manager(
+    *,
+    blocked: Iterable[str] = (),
+    autoload: bool | None = None,
+    strict: bool | None = None,
+    plugins: Iterable[object] = (),
+    environ=None,
+) -> MoEPluginManager:
+    """Build a fresh plugin manager.
+
+    :param blocked: plugin names not to load (``-p no:NAME``); ``builtin`` blocks the built-ins.
+    :param autoload: load entry points of the group ``moe_runtime`` (default: unless
+        ``MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    :param strict: raise :class:`PluginError` on a plugin that fails to load (default: from
+        ``MOE_RUNTIME_STRICT_PLUGINS``); otherwise record it and go on.
+    :param plugins: extra plugin objects (modules or instances) to register last.
+    """
+    environ = os.environ if environ is None else environ
+    blocked = frozenset(blocked) | blocked_from_env(environ)
+    if autoload is None:
+        autoload = not _truthy(environ.get(ENV_NO_AUTOLOAD))
+    if strict is None:
+        strict = _truthy(environ.get(ENV_STRICT))
+
+    pm = MoEPluginManager()
+    for name in blocked:
+        pm.set_blocked(name)
+
+    import moe_runtime
+    from moe_runtime import builtin
+
+    if BUILTIN_NAME in blocked:
+        pm.plugin_infos.append(
+            PluginInfo(BUILTIN_NAME, "moe-runtime", _version("moe-runtime"), builtin.__name__,
+                       "blocked")
+        )
+    else:
+        pm.register(builtin, name=BUILTIN_NAME)
+        pm.plugin_infos.append(
+            PluginInfo(BUILTIN_NAME, "moe-runtime", _version("moe-runtime"), builtin.__name__,
+                       "loaded")
+        )
+    del moe_runtime
+
+    if autoload:
+        _load_entrypoints(pm, blocked=blocked, strict=strict)
+    for plugin in plugins:
+        pm.register(plugin)
+        pm.plugin_infos.append(
+            PluginInfo(pm.get_name(plugin), None, None, getattr(plugin, "__name__", None), "loaded")
+        )
+    pm.check_pending()
+    return pm
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _load_entrypoints(pm: MoEPluginManager, *, blocked: frozenset[str], strict: bool) -> None:
+    seen: dict[str, str] = {}
+    eps = sorted(md.entry_points(group=ENTRYPOINT_GROUP), key=lambda e: (e.name, e.value))
+    for ep in eps:
+        dist = ep.dist.name if ep.dist is not None else None
+        version = ep.dist.version if ep.dist is not None else None
+        if ep.name in blocked:
+            pm.plugin_infos.append(PluginInfo(ep.name, dist, version, ep.value, "blocked"))
+            continue
+        if ep.name in seen or ep.name == BUILTIN_NAME:
+            other = seen.get(ep.name, "moe-runtime (built-in)")
+            if seen.get(ep.name) == dist:
+                continue  # the same distribution seen twice on sys.path
+            raise PluginError(
+                f"plugin name {ep.name!r} is provided by two distributions: {other!r} and "
+                f"{dist!r}; uninstall one, or block it with -p no:{ep.name}"
+            )
+        seen[ep.name] = dist
+        try:
+            obj = ep.load()
+            pm.register(obj, name=ep.name)
+        except Exception as exc:  # a broken plugin must not take the host down
+            error = f"{type(exc).__name__}: {exc}"
+            if strict:
+                raise PluginError(
+                    f"plugin {ep.name!r} from distribution {dist!r} failed to load: {error}"
+                ) from exc
+            pm.plugin_infos.append(
+                PluginInfo(ep.name, dist, version, ep.value, "failed",
+                           error + "\n" + traceback.format_exc(limit=3))
+            )
+            continue
+        pm.plugin_infos.append(PluginInfo(ep.name, dist, version, ep.value, "loaded"))
+
+
+@attrs.frozen
+class Registered:
+    """A declaration and the plugin that made it."""
+
+    spec: object
+    plugin: str
+
+
+@attrs.define
+class Registry:
+    """Everything the loaded plugins declared, keyed by name, with the declaring plugin."""
+
+    formats: dict[str, Registered] = attrs.field(factory=dict)
+    payloads: dict[str, Registered] = attrs.field(factory=dict)
+    experts: dict[str, Registered] = attrs.field(factory=dict)
+    comms: dict[str, Registered] = attrs.field(factory=dict)
+    plugin_infos: tuple[PluginInfo, ...] = ()
+
+    @classmethod
+    def from_plugin_manager(cls, pm: MoEPluginManager) -> Registry:
+        reg = cls(plugin_infos=tuple(getattr(pm, "plugin_infos", ())))
+        _call_each(pm.hook.moe_runtime_register_formats, reg._add_format)
+        _call_each(pm.hook.moe_runtime_register_backends, reg._add_backend)
+        reg._validate()
+        return reg
+
+    @classmethod
+    def load(cls, **kwargs) -> Registry:
+        """``Registry.from_plugin_manager(get_plugin_manager(**kwargs))``."""
+        return cls.from_plugin_manager(get_plugin_manager(**kwargs))
+
+    def _add_format(self, item, plugin: str) -> None:
+        if isinstance(item, F.WeightFormat):
+            table, what = self.formats, "weight format"
+        elif isinstance(item, F.Payload):
+            table, what = self.payloads, "payload"
+        else:
+            raise RegistryError(
+                f"plugin {plugin!r} registered {item!r}; moe_runtime_register_formats accepts "
+                "WeightFormat or Payload"
+            )
+        if item.name in table:
+            raise RegistryError(
+                f"{what} {item.name!r} is registered by both plugin {table[item.name].plugin!r} "
+                f"and plugin {plugin!r}"
+            )
+        table[item.name] = Registered(item, plugin)
+
+    def _add_backend(self, spec, plugin: str) -> None:
+        if isinstance(spec, ExpertsBackendSpec):
+            table = self.experts
+        elif isinstance(spec, CommBackendSpec):
+            table = self.comms
+        else:
+            raise RegistryError(
+                f"plugin {plugin!r} registered {spec!r}; moe_runtime_register_backends accepts "
+                "ExpertsBackendSpec or CommBackendSpec"
+            )
+        for other_table in (self.experts, self.comms):
+            if spec.name in other_table:
+                raise RegistryError(
+                    f"backend name {spec.name!r} is registered by both plugin "
+                    f"{other_table[spec.name].plugin!r} and plugin {plugin!r}; block one with "
+                    f"-p no:NAME"
+                )
+        table[spec.name] = Registered(spec, plugin)
+
+    def _validate(self) -> None:
+        """Every name a declaration uses must be a registered format/payload/layout."""
+        for reg in self.experts.values():
+            for s in reg.spec.supports:
+                for fmt in s.formats | ({s.runs_as} if s.runs_as else set()):
+                    if fmt not in self.formats:
+                        raise RegistryError(
+                            f"experts backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares "
+                            f"unknown format {fmt!r}; registered formats: {sorted(self.formats)}"
+                        )
+                self._check_common(reg, s.payloads, s.layouts)
+        for reg in self.comms.values():
+            for s in reg.spec.supports:
+                self._check_common(reg, s.payloads, {s.layout})
+
+    def _check_common(self, reg: Registered, payloads, layouts) -> None:
+        for p in payloads:
+            if p not in self.payloads:
+                raise RegistryError(
+                    f"backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares unknown payload "
+                    f"{p!r}; registered payloads: {sorted(self.payloads)}"
+                )
+        for lay in layouts:
+            if lay not in F.LAYOUTS:
+                raise RegistryError(
+                    f"backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares unknown layout "
+                    f"{lay!r}; known layouts: {sorted(F.LAYOUTS)}"
+                )
+
+    def required_modules(self) -> frozenset[str]:
+        out: set[str] = set()
+        for reg in list(self.experts.values()) + list(self.comms.values()):
+            out |= reg.spec.requires()
+        return frozenset(out)
+
+    def experts_spec(self, name: str) -> ExpertsBackendSpec:
+        return self.experts[name].spec
+
+    def comm_spec(self, name: str) -> CommBackendSpec:
+        return self.comms[name].spec
+
+
+def _call_each(hook_caller, add) -> None:
+    """Call every implementation of a ``register`` hook, telling ``add`` which plugin it was."""
+    for impl in reversed(hook_caller.get_hookimpls()):
+        name = impl.plugin_name
+
+        def register(item, _name=name):
+            add(item, _name)
+
+        impl.function(**{arg: register for arg in impl.argnames})

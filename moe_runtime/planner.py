@@ -1,0 +1,464 @@
+"""The planner: from layer formats, deployment and environment to a plan, using declarations only.
+
+For every MoE layer it picks a (communication, experts) pair whose layouts and payloads match, by
+declared priority, and reports every backend it turned down with a reason from :class:`Reason`.
+It never looks at a checkpoint's quantization method name or compares backend names, except
+against the names a user asked for.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterable, Sequence
+
+import attrs
+
+from moe_runtime import formats as F
+from moe_runtime.declarations import (
+    CommBackendSpec,
+    CommSupport,
+    ExpertsBackendSpec,
+    Support,
+    format_capability,
+)
+from moe_runtime.environment import Environment
+from moe_runtime.manager import Registry
+from moe_runtime.runtime import LayerProblem
+
+
+class Reason(enum.Enum):
+    """Why a backend was not chosen for a layer: a closed set."""
+
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    UNSUPPORTED_ACTIVATION = "unsupported_activation"
+    UNSUPPORTED_SHAPE = "unsupported_shape"
+    UNSUPPORTED_DEVICE = "unsupported_device"
+    COMPUTE_CAPABILITY = "compute_capability"
+    MISSING_DEPENDENCY = "missing_dependency"
+    WORLD_SIZE = "world_size"
+    TOKEN_BOUND = "token_bound"
+    NO_COMMON_LAYOUT = "no_common_layout"
+    UNSUPPORTED_PAYLOAD = "unsupported_payload"
+    NOT_REQUESTED = "not_requested"
+
+
+# Order in which an experts declaration is checked; the rejection reported for a backend with
+# several Support blocks is the one of the block that got furthest.
+_EXPERTS_ORDER = (
+    Reason.UNSUPPORTED_FORMAT,
+    Reason.UNSUPPORTED_ACTIVATION,
+    Reason.UNSUPPORTED_SHAPE,
+    Reason.UNSUPPORTED_DEVICE,
+    Reason.COMPUTE_CAPABILITY,
+    Reason.MISSING_DEPENDENCY,
+)
+
+
+@attrs.frozen
+class Deployment:
+    """How the user wants to run.
+
+    :param ep_size: ranks in the expert-parallel group.
+    :param experts_backend: a pinned experts backend name, or ``None`` for the planner's choice.
+    :param comm_backend: a pinned communication backend name, or ``None``.
+    :param payload: a pinned dispatch payload, or ``None`` to derive it from both declarations.
+    :param max_tokens_per_rank: the largest batch per rank the deployment will send.
+    :param allow_degradation: accept declared degradations (``runs_as``).
+    """
+
+    ep_size: int = 1
+    experts_backend: str | None = None
+    comm_backend: str | None = None
+    payload: str | None = None
+    max_tokens_per_rank: int = 4096
+    allow_degradation: bool = True
+
+
+@attrs.frozen
+class Rejection:
+    layer: str
+    role: str  # "experts" | "communication"
+    backend: str
+    reason: Reason
+    message: str
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.layer,
+            "role": self.role,
+            "backend": self.backend,
+            "reason": self.reason.value,
+            "message": self.message,
+        }
+
+
+@attrs.frozen
+class LayerPlan:
+    """The decision for one MoE layer."""
+
+    problem: LayerProblem
+    experts: str
+    comm: str
+    comm_mode: str
+    layout: str
+    payload: str
+    runs_as: str
+    degradations: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    alternatives: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "layer": self.problem.name,
+            "format": self.problem.format,
+            "activation": self.problem.activation,
+            "communication": self.comm,
+            "communication_mode": self.comm_mode,
+            "experts": self.experts,
+            "layout": self.layout,
+            "payload": self.payload,
+            "runs_as": self.runs_as,
+            "degradations": list(self.degradations),
+            "notes": list(self.notes),
+            "alternatives": list(self.alternatives),
+        }
+
+
+@attrs.frozen
+class Plan:
+    layers: tuple[LayerPlan, ...]
+    rejections: tuple[Rejection, ...]
+    environment: Environment
+    deployment: Deployment
+
+    def for_layer(self, name: str) -> LayerPlan:
+        for lp in self.layers:
+            if lp.problem.name == name:
+                return lp
+        raise KeyError(f"no MoE layer named {name!r} in this plan")
+
+    def to_json(self) -> dict:
+        return {
+            "environment": self.environment.to_json(),
+            "deployment": attrs.asdict(self.deployment),
+            "layers": [lp.to_json() for lp in self.layers],
+            "rejections": [r.to_json() for r in self.rejections],
+        }
+
+
+class PlanError(ValueError):
+    """No backend pair can run a layer as asked. ``rejections`` says why, backend by backend."""
+
+    def __init__(self, message: str, rejections: Sequence[Rejection] = ()) -> None:
+        super().__init__(message)
+        self.rejections = tuple(rejections)
+
+
+# --------------------------------------------------------------------------- declaration checks
+
+
+def _check_hardware(hw, env: Environment) -> tuple[Reason, str] | None:
+    if env.device not in hw.devices:
+        return Reason.UNSUPPORTED_DEVICE, (
+            f"runs on {', '.join(sorted(hw.devices))}, not on {env.described}"
+        )
+    if env.device == "cuda" and hw.cuda_capabilities:
+        cap = env.capability
+        if cap is None or not any(r.contains(cap) for r in hw.cuda_capabilities):
+            have = format_capability(cap) if cap else "unknown"
+            return Reason.COMPUTE_CAPABILITY, (
+                f"needs CUDA compute capability {hw.describe_capabilities()}; "
+                f"{env.described} has {have}"
+            )
+    if env.available is not None:
+        missing = [m for m in hw.requires if m not in env.available]
+        if missing:
+            return Reason.MISSING_DEPENDENCY, (
+                f"needs the module(s) {', '.join(missing)} importable; install the distribution "
+                "that provides them"
+            )
+    return None
+
+
+def _check_support(s: Support, p: LayerProblem, env: Environment) -> tuple[Reason, str] | None:
+    if p.format not in s.formats:
+        return Reason.UNSUPPORTED_FORMAT, (
+            f"does not run format {p.format}; it declares {', '.join(sorted(s.formats))}"
+        )
+    if p.activation not in s.activations:
+        return Reason.UNSUPPORTED_ACTIVATION, (
+            f"does not run activation {p.activation}; it declares "
+            f"{', '.join(sorted(s.activations))}"
+        )
+    m = s.shape_multiple
+    if m > 1 and (p.hidden_size % m or p.intermediate_size % m):
+        return Reason.UNSUPPORTED_SHAPE, (
+            f"needs hidden and intermediate sizes that are multiples of {m}; the layer has "
+            f"hidden {p.hidden_size}, intermediate {p.intermediate_size}"
+        )
+    return _check_hardware(s.hardware, env)
+
+
+@attrs.frozen
+class _ExpertsOption:
+    spec: ExpertsBackendSpec
+    support: Support
+    runs_as: str
+
+
+def evaluate_experts(
+    spec: ExpertsBackendSpec, p: LayerProblem, env: Environment, *, allow_degradation: bool = True
+) -> tuple[list[_ExpertsOption], tuple[Reason, str] | None]:
+    """The Support blocks of ``spec`` that accept layer ``p`` here (native ones first), or why none."""
+    native, degraded, failures = [], [], []
+    for s in spec.supports:
+        failure = _check_support(s, p, env)
+        if failure is not None:
+            failures.append(failure)
+            continue
+        if s.runs_as and s.runs_as != p.format:
+            if allow_degradation:
+                degraded.append(_ExpertsOption(spec, s, s.runs_as))
+            else:
+                failures.append((Reason.UNSUPPORTED_FORMAT, (
+                    f"runs format {p.format} only as {s.runs_as}, and degradation is switched off"
+                )))
+        else:
+            native.append(_ExpertsOption(spec, s, p.format))
+    if native or degraded:
+        return native + degraded, None
+    return [], max(failures, key=lambda f: _EXPERTS_ORDER.index(f[0])
+                   if f[0] in _EXPERTS_ORDER else -1)
+
+
+def evaluate_comm(
+    spec: CommBackendSpec, env: Environment, dep: Deployment
+) -> tuple[list[CommSupport], tuple[Reason, str] | None]:
+    """The modes of ``spec`` usable for this deployment here, or why none."""
+    ok, failures = [], []
+    for s in spec.supports:
+        hw = _check_hardware(s.hardware, env)
+        if hw is not None:
+            failures.append(hw)
+        elif dep.ep_size < s.min_world_size or (
+            s.max_world_size is not None and dep.ep_size > s.max_world_size
+        ):
+            failures.append((Reason.WORLD_SIZE, (
+                f"mode {s.mode} runs with {s.min_world_size} to {s.max_world_size or 'any'} "
+                f"expert-parallel ranks; the deployment has {dep.ep_size}"
+            )))
+        elif s.max_tokens_per_rank is not None and dep.max_tokens_per_rank > s.max_tokens_per_rank:
+            failures.append((Reason.TOKEN_BOUND, (
+                f"mode {s.mode} carries at most {s.max_tokens_per_rank} tokens per rank; the "
+                f"deployment asks for {dep.max_tokens_per_rank} (lower --max-batch-size or raise "
+                "the backend's bound)"
+            )))
+        else:
+            ok.append(s)
+    if ok:
+        return ok, None
+    order = [Reason.UNSUPPORTED_DEVICE, Reason.COMPUTE_CAPABILITY, Reason.MISSING_DEPENDENCY,
+             Reason.WORLD_SIZE, Reason.TOKEN_BOUND]
+    return [], max(failures, key=lambda f: order.index(f[0]))
+
+
+def _ranked(table: dict) -> list:
+    return sorted((r.spec for r in table.values()), key=lambda s: (-s.priority, s.name))
+
+
+def _derive_payload(
+    opt: _ExpertsOption, mode: CommSupport, registry: Registry, pinned: str | None
+) -> tuple[str | None, str]:
+    """The dispatch payload, from both sides' declarations (and the layer's runs-as format).
+
+    A quantized payload is only possible when the format the experts run quantizes activations
+    to it (its calibrated ``activation_payload``) and both sides declare it. Among the possible
+    payloads the smallest wins. Returns ``(payload or None, why)``.
+    """
+    fmt = registry.formats[opt.runs_as].spec
+    possible = {F.UNQUANTIZED}
+    if fmt.activation_payload != F.UNQUANTIZED:
+        possible.add(fmt.activation_payload)
+    common = possible & opt.support.payloads & mode.payloads
+    if pinned is not None:
+        if pinned in common:
+            return pinned, f"payload {pinned} as requested"
+        return None, (
+            f"payload {pinned} is not possible: format {opt.runs_as} allows "
+            f"{', '.join(sorted(possible))}, experts backend {opt.spec.name} accepts "
+            f"{', '.join(sorted(opt.support.payloads))}, communication mode {mode.mode} carries "
+            f"{', '.join(sorted(mode.payloads))}"
+        )
+    if not common:
+        return None, (
+            f"no payload in common: experts backend {opt.spec.name} accepts "
+            f"{', '.join(sorted(opt.support.payloads))}, communication mode {mode.mode} carries "
+            f"{', '.join(sorted(mode.payloads))}"
+        )
+    best = min(common, key=lambda n: (registry.payloads[n].spec.bytes_per_element, n))
+    return best, f"payload {best}"
+
+
+def plan_layer(
+    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
+) -> tuple[LayerPlan, list[Rejection]]:
+    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it."""
+    if p.format not in registry.formats:
+        raise PlanError(
+            f"layer {p.name}: format {p.format!r} is not registered by any plugin; registered "
+            f"formats: {', '.join(sorted(registry.formats))}"
+        )
+    dep = deployment
+    for pinned, table, role, flag in (
+        (dep.experts_backend, registry.experts, "experts", "--moe-runner-backend"),
+        (dep.comm_backend, registry.comms, "communication", "--moe-a2a-backend"),
+    ):
+        if pinned is not None and pinned not in table:
+            raise PlanError(
+                f"{flag} {pinned!r} is not a registered {role} backend; registered: "
+                f"{', '.join(sorted(table)) or 'none'} (see `moe-runtime plugins`)"
+            )
+    if dep.payload is not None and dep.payload not in registry.payloads:
+        raise PlanError(
+            f"payload {dep.payload!r} is not registered; registered payloads: "
+            f"{', '.join(sorted(registry.payloads))}"
+        )
+
+    rejections: list[Rejection] = []
+    experts_ok: list[_ExpertsOption] = []
+    accepting: list[str] = []
+    for spec in _ranked(registry.experts):
+        opts, failure = evaluate_experts(spec, p, environment,
+                                         allow_degradation=dep.allow_degradation)
+        if failure:
+            rejections.append(Rejection(p.name, "experts", spec.name, failure[0], failure[1]))
+            continue
+        accepting.append(spec.name)
+        if dep.experts_backend is not None and spec.name != dep.experts_backend:
+            rejections.append(Rejection(
+                p.name, "experts", spec.name, Reason.NOT_REQUESTED,
+                f"could run this layer, but --moe-runner-backend {dep.experts_backend} was asked for",
+            ))
+            continue
+        experts_ok.extend(opts)
+
+    comm_ok: list[tuple[CommBackendSpec, CommSupport]] = []
+    for spec in _ranked(registry.comms):
+        modes, failure = evaluate_comm(spec, environment, dep)
+        if failure:
+            rejections.append(Rejection(p.name, "communication", spec.name, failure[0], failure[1]))
+            continue
+        if dep.comm_backend is not None and spec.name != dep.comm_backend:
+            continue
+        comm_ok.extend((spec, m) for m in modes)
+
+    def refuse(role: str, pinned: str | None, why: str) -> PlanError:
+        own = [r for r in rejections if r.backend == pinned and r.reason != Reason.NOT_REQUESTED]
+        detail = f"{own[0].reason.value}: {own[0].message}" if own else why
+        others = [n for n in accepting if n != pinned]
+        msg = (
+            f"layer {p.name} (format {p.format}, activation {p.activation}): "
+            f"{role} backend {pinned!r} cannot run it: {detail}. "
+        )
+        msg += (
+            f"Experts backends that would run this layer: {', '.join(others)}."
+            if others else "No registered experts backend runs this layer here."
+        )
+        return PlanError(msg, rejections)
+
+    if not experts_ok:
+        if dep.experts_backend is not None:
+            raise refuse("experts", dep.experts_backend, "")
+        lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in rejections
+                          if r.role == "experts")
+        raise PlanError(
+            f"layer {p.name} (format {p.format}, activation {p.activation}): no experts backend "
+            f"can run it on {environment.described}. {lines}",
+            rejections,
+        )
+    if not comm_ok:
+        if dep.comm_backend is not None:
+            own = [r for r in rejections if r.backend == dep.comm_backend]
+            detail = f"{own[0].reason.value}: {own[0].message}" if own else "no usable mode"
+            raise PlanError(
+                f"layer {p.name}: communication backend {dep.comm_backend!r} cannot run this "
+                f"deployment: {detail}", rejections)
+        lines = "; ".join(f"{r.backend}: {r.message}" for r in rejections
+                          if r.role == "communication")
+        raise PlanError(
+            f"layer {p.name}: no communication backend runs expert parallel size {dep.ep_size} "
+            f"on {environment.described}. {lines}", rejections)
+
+    pair_failures: list[Rejection] = []
+    for opt in experts_ok:
+        for cspec, mode in comm_ok:
+            if mode.layout not in opt.support.layouts:
+                pair_failures.append(Rejection(
+                    p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
+                    f"mode {mode.mode} produces layout {mode.layout}; experts backend "
+                    f"{opt.spec.name} consumes {', '.join(sorted(opt.support.layouts))}",
+                ))
+                continue
+            payload, why = _derive_payload(opt, mode, registry, dep.payload)
+            if payload is None:
+                pair_failures.append(Rejection(
+                    p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD, why))
+                continue
+            degradations, notes = [], []
+            if opt.runs_as != p.format:
+                src = registry.formats[p.format].spec
+                degradations.append(
+                    f"{p.format} weights run as {opt.runs_as} by {opt.spec.name}"
+                    + (f": activations are not quantized to {src.activation_payload}"
+                       if src.activation_payload != F.UNQUANTIZED else "")
+                    + (f" ({opt.support.note})" if opt.support.note else "")
+                )
+            elif opt.support.note:
+                notes.append(opt.support.note)
+            if payload != F.UNQUANTIZED:
+                notes.append(f"dispatch carries {payload} activations (both sides declare it)")
+            if environment.available is None:
+                req = sorted(opt.spec.requires() | cspec.requires())
+                if req:
+                    notes.append(f"assumes {', '.join(req)} importable on the target (not checked)")
+            others = tuple(n for n in accepting if n != opt.spec.name)
+            plan = LayerPlan(
+                problem=p, experts=opt.spec.name, comm=cspec.name, comm_mode=mode.mode,
+                layout=mode.layout, payload=payload, runs_as=opt.runs_as,
+                degradations=tuple(degradations), notes=tuple(notes), alternatives=others,
+            )
+            return plan, rejections
+    # Every candidate pair failed on layout or payload.
+    rejections.extend(pair_failures)
+    lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in pair_failures)
+    raise PlanError(
+        f"layer {p.name} (format {p.format}): no communication backend pairs with the experts "
+        f"backends that run it ({', '.join(sorted({o.spec.name for o in experts_ok}))}): {lines}",
+        rejections,
+    )
+
+
+def plan_model(
+    problems: Iterable[LayerProblem],
+    *,
+    registry: Registry,
+    environment: Environment,
+    deployment: Deployment = Deployment(),
+) -> Plan:
+    """Plan every MoE layer; one :class:`PlanError` naming every layer that cannot be planned."""
+    layers, rejections, errors = [], [], []
+    for p in problems:
+        try:
+            lp, rej = plan_layer(p, registry=registry, environment=environment,
+                                 deployment=deployment)
+        except PlanError as exc:
+            errors.append(exc)
+            continue
+        layers.append(lp)
+        rejections.extend(rej)
+    if errors:
+        raise PlanError(
+            "\n".join(str(e) for e in errors),
+            [r for e in errors for r in e.rejections] + rejections,
+        )
+    return Plan(tuple(layers), tuple(rejections), environment, deployment)
