@@ -1,0 +1,26 @@
+"""moe-runtime: Mixture-of-Experts layers run by backends chosen from their declarations."""
+
+from moe_runtime.declarations import (
+    CapabilityRange,
+    CommBackendSpec,
+    CommSupport,
+    ExpertsBackendSpec,
+    Hardware,
+    Support,
+)
+from moe_runtime.hookspecs import hookimpl, hookspec
+from moe_runtime.manager import Registry, get_plugin_manager
+
+__all__ = [
+    "CapabilityRange",
+    "CommBackendSpec",
+    "CommSupport",
+    "ExpertsBackendSpec",
+    "Hardware",
+    "Registry",
+    "Support",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+]
+__version__ = "0.1.0"
