@@ -274,7 +274,7 @@ class Registry:
 
 def _call_each(hook_caller, add) -> None:
     """Call every implementation of a ``register`` hook, telling ``add`` which plugin it was."""
-    for impl in reversed(hook_caller.get_hookimpls()):
+    for impl in hook_caller.get_hookimpls():  # registration order: built-ins first
         name = impl.plugin_name
 
         def register(item, _name=name):

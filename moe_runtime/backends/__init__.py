@@ -1,0 +1,1 @@
+"""Built-in backends (imported only when the planner selects them)."""

@@ -1,0 +1,175 @@
+"""Plugin discovery: real installed distributions, loaded one by one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pluggy
+import pytest
+from conftest import run_cli
+
+from moe_runtime import hookimpl
+from moe_runtime.manager import PluginError, Registry, RegistryError, get_plugin_manager
+
+
+def _infos(pm):
+    return {i.name: i for i in pm.plugin_infos}
+
+
+def test_entry_point_plugin_is_loaded_with_its_distribution(plugin_site, with_site):
+    with_site(plugin_site)
+    pm = get_plugin_manager(environ={})
+    info = _infos(pm)["sm100_test"]
+    assert info.status == "loaded"
+    assert info.distribution == "moe-runtime-sm100-test"
+    assert info.version == "1.2.3"
+    reg = Registry.from_plugin_manager(pm)
+    assert reg.experts["sm100_nvfp4"].plugin == "sm100_test"
+
+
+def test_broken_plugin_is_reported_and_skipped(plugin_site, with_site):
+    with_site(plugin_site)
+    pm = get_plugin_manager(environ={})
+    info = _infos(pm)["broken_test"]
+    assert info.status == "failed"
+    assert "broken on purpose" in info.error
+    assert info.distribution == "moe-runtime-broken-test"
+    # the others still load
+    assert "reference" in Registry.from_plugin_manager(pm).experts
+
+
+def test_broken_plugin_is_fatal_in_strict_mode(plugin_site, with_site):
+    with_site(plugin_site)
+    with pytest.raises(PluginError, match="broken_test.*moe-runtime-broken-test"):
+        get_plugin_manager(strict=True, environ={})
+
+
+def test_strict_mode_from_environment(plugin_site, with_site):
+    with_site(plugin_site)
+    with pytest.raises(PluginError):
+        get_plugin_manager(environ={"MOE_RUNTIME_STRICT_PLUGINS": "1"})
+
+
+def test_blocked_plugin_is_not_imported(plugin_site, with_site):
+    with_site(plugin_site)
+    sys.modules.pop("broken_plugin", None)
+    pm = get_plugin_manager(blocked=["broken_test"], strict=True, environ={})
+    assert _infos(pm)["broken_test"].status == "blocked"
+    assert "broken_plugin" not in sys.modules
+
+
+def test_block_list_from_environment(plugin_site, with_site):
+    with_site(plugin_site)
+    pm = get_plugin_manager(environ={"MOE_RUNTIME_BLOCK_PLUGINS": "sm100_test, broken_test"})
+    assert _infos(pm)["sm100_test"].status == "blocked"
+    assert "sm100_nvfp4" not in Registry.from_plugin_manager(pm).experts
+
+
+def test_autoload_can_be_switched_off(plugin_site, with_site):
+    with_site(plugin_site)
+    pm = get_plugin_manager(environ={"MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert set(_infos(pm)) == {"builtin"}
+
+
+def test_same_backend_name_from_two_plugins_names_both(colliding_site, with_site):
+    with_site(colliding_site)
+    pm = get_plugin_manager(environ={})
+    with pytest.raises(RegistryError, match="'reference'.*'builtin'.*'collide_test'"):
+        Registry.from_plugin_manager(pm)
+
+
+def test_misspelled_hook_implementation_fails():
+    plugin = types.ModuleType("typo_plugin")
+
+    @hookimpl
+    def moe_runtime_register_backend(register):  # missing "s"
+        pass
+
+    plugin.moe_runtime_register_backend = moe_runtime_register_backend
+    with pytest.raises(pluggy.PluginValidationError, match="moe_runtime_register_backend"):
+        get_plugin_manager(autoload=False, plugins=[plugin], environ={})
+
+
+def test_each_manager_is_fresh():
+    a = get_plugin_manager(autoload=False, environ={})
+    b = get_plugin_manager(autoload=False, environ={})
+    assert a is not b
+    assert a.get_plugins() != set() and a.hook is not b.hook
+
+
+def test_declaring_an_unregistered_format_is_an_error():
+    from moe_runtime import ExpertsBackendSpec, Support
+
+    plugin = types.ModuleType("bad_format_plugin")
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(ExpertsBackendSpec(name="x", factory="m:C",
+                                    supports=[Support(formats=["int3_magic"])]))
+
+    plugin.moe_runtime_register_backends = moe_runtime_register_backends
+    pm = get_plugin_manager(autoload=False, plugins=[plugin], environ={})
+    with pytest.raises(RegistryError, match="int3_magic.*registered formats"):
+        Registry.from_plugin_manager(pm)
+
+
+def test_plugin_can_add_a_format():
+    from moe_runtime import ExpertsBackendSpec, Support
+    from moe_runtime.formats import WeightFormat
+
+    plugin = types.ModuleType("mxfp4_plugin")
+
+    @hookimpl
+    def moe_runtime_register_formats(register):
+        register(WeightFormat("mxfp4_w4a16", 4, 0.53, description="MXFP4 weights"))
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(ExpertsBackendSpec(name="mx", factory="m:C",
+                                    supports=[Support(formats=["mxfp4_w4a16"])]))
+
+    plugin.moe_runtime_register_formats = moe_runtime_register_formats
+    plugin.moe_runtime_register_backends = moe_runtime_register_backends
+    reg = Registry.from_plugin_manager(
+        get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
+    assert reg.formats["mxfp4_w4a16"].plugin == "mxfp4_plugin"
+    assert "mx" in reg.experts
+
+
+def test_cli_plugins_lists_installed_and_broken(plugin_site):
+    r = run_cli("plugins", "--json", site=plugin_site)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    by_name = {p["name"]: p for p in data["plugins"]}
+    assert by_name["sm100_test"]["status"] == "loaded"
+    assert by_name["broken_test"]["status"] == "failed"
+    assert "broken on purpose" in by_name["broken_test"]["error"]
+    backends = {b["name"]: b for b in data["experts_backends"]}
+    assert backends["sm100_nvfp4"]["plugin"] == "sm100_test"
+    assert backends["sm100_nvfp4"]["supports"][0]["cuda_capabilities"] == "10.0"
+
+
+def test_cli_plugins_blocks_with_dash_p(plugin_site):
+    r = run_cli("-p", "no:sm100_test", "plugins", "--json", site=plugin_site)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert "sm100_nvfp4" not in {b["name"] for b in data["experts_backends"]}
+
+
+def test_cli_strict_plugins_fails_on_broken(plugin_site):
+    r = run_cli("--strict-plugins", "plugins", site=plugin_site)
+    assert r.returncode == 3
+    assert "broken_test" in r.stderr
+
+
+def test_discovery_imports_no_kernel_libraries():
+    code = (
+        "import sys; from moe_runtime.manager import Registry; Registry.load(); "
+        "bad = [m for m in ('triton', 'flashinfer', 'deep_ep', 'moe_runtime.backends.reference',"
+        " 'moe_runtime_triton.kernels', 'cutlass') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

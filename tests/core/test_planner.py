@@ -1,0 +1,279 @@
+"""The planner decides from declarations alone."""
+
+from __future__ import annotations
+
+import types
+
+import attrs
+import pytest
+
+from moe_runtime import (
+    CapabilityRange,
+    CommBackendSpec,
+    CommSupport,
+    ExpertsBackendSpec,
+    Hardware,
+    Support,
+    hookimpl,
+)
+from moe_runtime.environment import Environment
+from moe_runtime.manager import Registry, get_plugin_manager
+from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
+from moe_runtime.runtime import LayerProblem
+
+SM100 = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange.exactly("10.0"),
+                                                      CapabilityRange.exactly("10.3")])
+
+
+def layer(fmt="nvfp4_w4a4", name="model.layers.0.mlp.experts", **kw):
+    base = dict(activation="silu", num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+    base.update(kw)
+    return LayerProblem(name=name, format=fmt, **base)
+
+
+def registry_with(*specs) -> Registry:
+    plugin = types.ModuleType("test_plugin_" + "_".join(s.name for s in specs))
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        for s in specs:
+            register(s)
+
+    plugin.moe_runtime_register_backends = moe_runtime_register_backends
+    return Registry.from_plugin_manager(
+        get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
+
+
+FAST_FP4 = ExpertsBackendSpec(
+    name="fast_fp4", factory="m:C", priority=100,
+    supports=[Support(formats=["nvfp4_w4a4"], layouts=["token_major", "masked"],
+                      payloads=["unquantized", "nvfp4"], hardware=SM100)],
+)
+HOPPER_W4A16 = ExpertsBackendSpec(
+    name="hopper", factory="m:C", priority=50,
+    supports=[
+        Support(formats=["bf16", "fp8_w8a8", "nvfp4_w4a16"], payloads=["unquantized", "fp8"],
+                hardware=Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange("9.0")])),
+        Support(formats=["nvfp4_w4a4"], runs_as="nvfp4_w4a16",
+                hardware=Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange("9.0")]),
+                note="no FP4 tensor cores before compute capability 10.0"),
+    ],
+)
+
+SM100_ENV = Environment.for_target("sm100")
+SM90_ENV = Environment.for_target("sm90")
+CPU_ENV = Environment("cpu", None, frozenset({"torch"}), "cpu")
+
+
+def test_highest_priority_backend_that_accepts_wins():
+    reg = registry_with(FAST_FP4, HOPPER_W4A16)
+    lp, _ = plan_layer(layer(), registry=reg, environment=SM100_ENV, deployment=Deployment())
+    assert lp.experts == "fast_fp4"
+    assert set(lp.alternatives) == {"hopper", "reference"}
+
+
+def test_sm90_target_refuses_sm100_backend_with_capability_reason():
+    reg = registry_with(FAST_FP4, HOPPER_W4A16)
+    with pytest.raises(PlanError) as exc:
+        plan_layer(layer(), registry=reg, environment=SM90_ENV,
+                   deployment=Deployment(experts_backend="fast_fp4"))
+    msg = str(exc.value)
+    assert "model.layers.0.mlp.experts" in msg and "nvfp4_w4a4" in msg
+    assert "compute capability 10.0, 10.3" in msg and "has 9.0" in msg
+    assert "hopper" in msg and "reference" in msg  # who would run it
+    reasons = {r.backend: r.reason for r in exc.value.rejections}
+    assert reasons["fast_fp4"] is Reason.COMPUTE_CAPABILITY
+
+
+def test_degradation_is_declared_and_reported():
+    reg = registry_with(FAST_FP4, HOPPER_W4A16)
+    lp, _ = plan_layer(layer(), registry=reg, environment=SM90_ENV, deployment=Deployment())
+    assert lp.experts == "hopper"
+    assert lp.runs_as == "nvfp4_w4a16"
+    assert "activations are not quantized to nvfp4" in lp.degradations[0]
+    assert "no FP4 tensor cores" in lp.degradations[0]
+
+
+def test_degradation_can_be_refused():
+    reg = registry_with(HOPPER_W4A16)
+    lp, rej = plan_layer(layer(), registry=reg, environment=SM90_ENV,
+                         deployment=Deployment(allow_degradation=False))
+    assert lp.experts == "reference" and lp.runs_as == "nvfp4_w4a4"
+    assert any(r.backend == "hopper" and r.reason is Reason.UNSUPPORTED_FORMAT for r in rej)
+
+
+def test_layers_of_different_formats_get_different_backends():
+    reg = registry_with(FAST_FP4)
+    plan = plan_model([layer(name="l0"), layer("fp8_w8a8", name="l1"), layer(name="l2")],
+                      registry=reg, environment=SM100_ENV)
+    assert [lp.experts for lp in plan.layers] == ["fast_fp4", "reference", "fast_fp4"]
+    rej = [r for r in plan.rejections if r.layer == "l1" and r.backend == "fast_fp4"]
+    assert rej[0].reason is Reason.UNSUPPORTED_FORMAT
+
+
+def test_pinned_backend_refusal_names_the_layer_it_cannot_run():
+    reg = registry_with(FAST_FP4)
+    with pytest.raises(PlanError) as exc:
+        plan_model([layer(name="l0"), layer("fp8_w8a8", name="l1")], registry=reg,
+                   environment=SM100_ENV, deployment=Deployment(experts_backend="fast_fp4"))
+    msg = str(exc.value)
+    assert "layer l1 (format fp8_w8a8" in msg and "unsupported_format" in msg
+    assert "layer l0" not in msg
+
+
+def test_unknown_pinned_backend_lists_the_registered_ones():
+    reg = registry_with(FAST_FP4)
+    with pytest.raises(PlanError, match="'nope' is not a registered experts backend.*fast_fp4"):
+        plan_layer(layer(), registry=reg, environment=SM100_ENV,
+                   deployment=Deployment(experts_backend="nope"))
+
+
+def test_unregistered_format_is_refused_with_the_registered_ones():
+    reg = registry_with()
+    with pytest.raises(PlanError, match="'mxfp4' is not registered.*nvfp4_w4a16"):
+        plan_layer(layer("mxfp4"), registry=reg, environment=CPU_ENV, deployment=Deployment())
+
+
+def test_missing_dependency_is_a_reason():
+    spec = ExpertsBackendSpec(
+        name="needs_lib", factory="m:C", priority=5,
+        supports=[Support(formats=["bf16"], hardware=Hardware(requires=["surely_absent_lib"]))])
+    reg = registry_with(spec)
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment())
+    assert lp.experts == "reference"
+    (r,) = [r for r in rej if r.backend == "needs_lib"]
+    assert r.reason is Reason.MISSING_DEPENDENCY and "surely_absent_lib" in r.message
+
+
+def test_target_environment_assumes_dependencies_and_says_so():
+    spec = ExpertsBackendSpec(
+        name="needs_lib", factory="m:C", priority=5,
+        supports=[Support(formats=["bf16"], hardware=Hardware(requires=["surely_absent_lib"]))])
+    lp, _ = plan_layer(layer("bf16"), registry=registry_with(spec),
+                       environment=Environment.for_target("sm90"), deployment=Deployment())
+    assert lp.experts == "needs_lib"
+    assert any("surely_absent_lib" in n and "not checked" in n for n in lp.notes)
+
+
+def test_fp8_payload_is_derived_from_both_declarations():
+    reg = registry_with(HOPPER_W4A16)
+    lp, _ = plan_layer(layer("fp8_w8a8"), registry=reg, environment=SM90_ENV,
+                       deployment=Deployment(ep_size=2))
+    assert (lp.comm, lp.payload) == ("torch_all_to_all", "fp8")
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=SM90_ENV,
+                       deployment=Deployment(ep_size=2))
+    assert lp.payload == "unquantized"
+
+
+def test_degraded_layer_gets_no_quantized_payload():
+    masked_comm = CommBackendSpec(
+        name="ll", factory="m:C", priority=5,
+        supports=[CommSupport(layout="token_major", payloads=["unquantized", "nvfp4"],
+                              min_world_size=2)])
+    reg = registry_with(HOPPER_W4A16, masked_comm)
+    lp, _ = plan_layer(layer(), registry=reg, environment=SM90_ENV,
+                       deployment=Deployment(ep_size=2))
+    assert lp.runs_as == "nvfp4_w4a16" and lp.payload == "unquantized"
+
+
+def test_nvfp4_payload_when_both_sides_declare_it():
+    comm = CommBackendSpec(
+        name="ll", factory="m:C", priority=5,
+        supports=[CommSupport(layout="masked", payloads=["unquantized", "nvfp4"],
+                              min_world_size=2, max_tokens_per_rank=256, mode="low_latency")])
+    reg = registry_with(FAST_FP4, comm)
+    lp, _ = plan_layer(layer(), registry=reg, environment=SM100_ENV,
+                       deployment=Deployment(ep_size=4, max_tokens_per_rank=128))
+    assert (lp.experts, lp.comm, lp.layout, lp.payload) == ("fast_fp4", "ll", "masked", "nvfp4")
+
+
+def test_pinned_payload_that_a_side_cannot_carry_is_refused():
+    reg = registry_with(HOPPER_W4A16)
+    with pytest.raises(PlanError, match="payload nvfp4 is not possible"):
+        plan_layer(layer("fp8_w8a8"), registry=reg, environment=SM90_ENV,
+                   deployment=Deployment(ep_size=2, payload="nvfp4"))
+
+
+def test_token_bound_of_a_mode_is_enforced():
+    comm = CommBackendSpec(
+        name="ll", factory="m:C", priority=5,
+        supports=[CommSupport(layout="token_major", min_world_size=2, max_tokens_per_rank=128)])
+    reg = registry_with(comm)
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(ep_size=2, max_tokens_per_rank=4096))
+    assert lp.comm == "torch_all_to_all"
+    (r,) = [r for r in rej if r.backend == "ll"]
+    assert r.reason is Reason.TOKEN_BOUND and "128" in r.message
+
+
+def test_no_common_layout_falls_back_to_a_pair_that_matches():
+    masked_only = ExpertsBackendSpec(
+        name="masked_only", factory="m:C", priority=100,
+        supports=[Support(formats=["bf16"], layouts=["masked"])])
+    reg = registry_with(masked_only)
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                       deployment=Deployment(ep_size=2))
+    assert lp.experts == "reference"  # torch_all_to_all is token-major only
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV, deployment=Deployment())
+    assert (lp.experts, lp.layout) == ("masked_only", "masked")
+
+
+def test_pinned_pair_without_common_layout_is_refused():
+    masked_only = ExpertsBackendSpec(
+        name="masked_only", factory="m:C", priority=100,
+        supports=[Support(formats=["bf16"], layouts=["masked"])])
+    with pytest.raises(PlanError) as exc:
+        plan_layer(layer("bf16"), registry=registry_with(masked_only), environment=CPU_ENV,
+                   deployment=Deployment(ep_size=2, experts_backend="masked_only"))
+    assert any(r.reason is Reason.NO_COMMON_LAYOUT for r in exc.value.rejections)
+
+
+def test_world_size_rules_pick_the_communication_backend():
+    reg = registry_with()
+    assert plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                      deployment=Deployment())[0].comm == "local"
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(ep_size=4))
+    assert lp.comm == "torch_all_to_all"
+    assert any(r.backend == "local" and r.reason is Reason.WORLD_SIZE for r in rej)
+
+
+def test_shape_multiple_is_checked():
+    spec = ExpertsBackendSpec(name="big_tiles", factory="m:C", priority=9,
+                              supports=[Support(formats=["bf16"], shape_multiple=128)])
+    lp, rej = plan_layer(layer("bf16", hidden_size=192), registry=registry_with(spec),
+                         environment=CPU_ENV, deployment=Deployment())
+    assert lp.experts == "reference"
+    assert [r.reason for r in rej if r.backend == "big_tiles"] == [Reason.UNSUPPORTED_SHAPE]
+
+
+def test_device_kind_is_checked():
+    lp, rej = plan_layer(layer(), registry=registry_with(FAST_FP4), environment=CPU_ENV,
+                         deployment=Deployment())
+    assert lp.experts == "reference"
+    assert [r.reason for r in rej if r.backend == "fast_fp4"] == [Reason.UNSUPPORTED_DEVICE]
+
+
+@pytest.mark.parametrize("env", [SM100_ENV, SM90_ENV, CPU_ENV], ids=["sm100", "sm90", "cpu"])
+def test_plans_do_not_depend_on_backend_names(env):
+    """Renaming every backend (same declarations, same priorities) gives the same plan."""
+    specs = [FAST_FP4, HOPPER_W4A16]
+    renamed = [attrs.evolve(s, name="zz_" + s.name[::-1]) for s in specs]
+    problems = [layer(name="a"), layer("fp8_w8a8", name="b"), layer("bf16", name="c")]
+    p1 = plan_model(problems, registry=registry_with(*specs), environment=env)
+    p2 = plan_model(problems, registry=registry_with(*renamed), environment=env)
+    mapping = {s.name: r.name for s, r in zip(specs, renamed)}
+    assert [mapping.get(lp.experts, lp.experts) for lp in p1.layers] == [
+        lp.experts for lp in p2.layers]
+    assert [(lp.runs_as, lp.payload, lp.layout) for lp in p1.layers] == [
+        (lp.runs_as, lp.payload, lp.layout) for lp in p2.layers]
+
+
+def test_plan_json_carries_every_rejection():
+    reg = registry_with(FAST_FP4)
+    plan = plan_model([layer()], registry=reg, environment=SM90_ENV)
+    data = plan.to_json()
+    assert data["environment"]["capability"] == "9.0"
+    assert {r["backend"]: r["reason"] for r in data["rejections"]}["fast_fp4"] == (
+        "compute_capability")
