@@ -1,0 +1,234 @@
+"""Where each supported architecture keeps its MoE layers, read from config.json alone.
+
+One entry per ``architectures[0]`` value: which decoder layers are MoE, their sizes, the router,
+the shared expert, and how the experts' tensors are named. Optional fields default to what
+transformers' config class of the architecture defaults them to, so a checkpoint reads the way
+transformers would build it. Nothing here concerns quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from moe_runtime import formats
+from moe_runtime.checkpoint.records import CheckpointError, RouterSpec
+
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_NAMES = ("w1", "w3", "w2")  # gate, up, down
+
+_ACTIVATIONS = {"silu": formats.SILU, "swish": formats.SILU, "gelu": formats.GELU}
+
+
+@attrs.frozen
+class MoEStructure:
+    """A MoE layer's shape and router, before its name and format are known."""
+
+    index: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str
+    router: RouterSpec
+    shared_expert_intermediate_size: int = 0
+
+
+class _Fields:
+    """Reads config.json fields, naming the file and the key when one is missing or wrong."""
+
+    def __init__(self, data: dict[str, Any], file: str, where: str = ""):
+        self.data, self.file, self.where = data, file, where
+
+    def _key(self, key: str) -> str:
+        return f"{self.where}{key}"
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def int(self, *keys: str, default: int | None = None, minimum: int = 0) -> int:
+        for key in keys:
+            value = self.data.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise CheckpointError(
+                    f"{self.file}: {self._key(key)} is {value!r}; expected an integer >= {minimum}"
+                )
+            return value
+        if default is None:
+            names = " or ".join(repr(self._key(k)) for k in keys)
+            raise CheckpointError(f"{self.file}: missing {names}, which this architecture needs")
+        return default
+
+    def float(self, key: str, default: float) -> float:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{self.file}: {self._key(key)} is {value!r}; expected a number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.file}: {self._key(key)} is {value!r}; expected true/false")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.data.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+            raise CheckpointError(f"{self.file}: {self._key(key)} must be a list of layer indices")
+        return value
+
+    def activation(self) -> str:
+        act = str(self.get("hidden_act", "silu"))
+        if act not in _ACTIVATIONS:
+            raise CheckpointError(
+                f"{self.file}: {self._key('hidden_act')} is {act!r}; the gated expert MLP runs "
+                f"{', '.join(repr(a) for a in _ACTIVATIONS)}"
+            )
+        return _ACTIVATIONS[act]
+
+
+def _sparse_step_layers(f: _Fields, num_experts: int) -> list[int]:
+    """Qwen2/Qwen3-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in mlp_only_layers."""
+    step = f.int("decoder_sparse_step", default=1, minimum=1)
+    dense = set(f.int_list("mlp_only_layers"))
+    n = f.int("num_hidden_layers", minimum=1)
+    return [i for i in range(n) if i not in dense and num_experts > 0 and (i + 1) % step == 0]
+
+
+def _qwen_moe(*, shared: bool, norm_topk_default: bool | None) -> Callable[[_Fields], list]:
+    """Softmax routers; ``norm_topk_default`` None means always renormalized (no config field)."""
+
+    def layers(f: _Fields) -> list[MoEStructure]:
+        num_experts = f.int("num_experts", "num_local_experts", minimum=1)
+        renormalize = (True if norm_topk_default is None
+                       else f.bool("norm_topk_prob", norm_topk_default))
+        indices = (_sparse_step_layers(f, num_experts) if norm_topk_default is not None
+                   else list(range(f.int("num_hidden_layers", minimum=1))))
+        common = dict(
+            num_experts=num_experts,
+            top_k=f.int("num_experts_per_tok", minimum=1),
+            hidden_size=f.int("hidden_size", minimum=1),
+            intermediate_size=f.int("moe_intermediate_size", minimum=1),
+            activation=f.activation(),
+            router=RouterSpec("softmax", renormalize),
+            shared_expert_intermediate_size=(
+                f.int("shared_expert_intermediate_size") if shared else 0),
+        )
+        return [MoEStructure(index=i, **common) for i in indices]
+
+    return layers
+
+
+def _mixtral(f: _Fields) -> list[MoEStructure]:
+    common = dict(
+        num_experts=f.int("num_local_experts", "num_experts", minimum=1),
+        top_k=f.int("num_experts_per_tok", minimum=1),
+        hidden_size=f.int("hidden_size", minimum=1),
+        intermediate_size=f.int("intermediate_size", minimum=1),
+        activation=f.activation(),
+        router=RouterSpec("softmax", renormalize=True),  # softmax over the top-k logits
+    )
+    return [MoEStructure(index=i, **common) for i in range(f.int("num_hidden_layers", minimum=1))]
+
+
+def _deepseek_v3(f: _Fields) -> list[MoEStructure]:
+    scoring = str(f.get("scoring_func", "sigmoid"))
+    if scoring not in ("sigmoid", "softmax"):
+        raise CheckpointError(
+            f"{f.file}: {f._key('scoring_func')} is {scoring!r}; accepted: 'sigmoid', 'softmax'")
+    # transformers' DeepseekV3Config defaults; topk_method 'noaux_tc' is the bias-corrected router.
+    router = RouterSpec(
+        scoring,
+        renormalize=f.bool("norm_topk_prob", True),
+        n_group=f.int("n_group", default=8, minimum=1),
+        topk_group=f.int("topk_group", default=4, minimum=1),
+        routed_scaling_factor=f.float("routed_scaling_factor", 2.5),
+        has_correction_bias=str(f.get("topk_method", "noaux_tc")) == "noaux_tc",
+    )
+    moe_intermediate = f.int("moe_intermediate_size", minimum=1)
+    first_dense = f.int("first_k_dense_replace", default=3)
+    freq = f.int("moe_layer_freq", default=1, minimum=1)
+    common = dict(
+        num_experts=f.int("n_routed_experts", "num_local_experts", minimum=1),
+        top_k=f.int("num_experts_per_tok", minimum=1),
+        hidden_size=f.int("hidden_size", minimum=1),
+        intermediate_size=moe_intermediate,
+        activation=f.activation(),
+        router=router,
+        shared_expert_intermediate_size=moe_intermediate * f.int("n_shared_experts", default=1),
+    )
+    n = f.int("num_hidden_layers", minimum=1)
+    return [MoEStructure(index=i, **common) for i in range(n)
+            if i >= first_dense and i % freq == 0]
+
+
+@attrs.frozen
+class Architecture:
+    """How one architecture names and shapes its MoE layers.
+
+    :param prefix: the tensor-name prefix of the decoder layers (``"model."``); the tensors of a
+        real folder override it when they spell it differently.
+    :param block: the MoE block's attribute in a decoder layer (``"mlp"``, ``"block_sparse_moe"``).
+    :param text_config: the model fields sit under config.json's ``text_config``.
+    """
+
+    name: str
+    prefix: str
+    block: str
+    expert_names: tuple[str, str, str]
+    layers: Callable[[_Fields], list[MoEStructure]]
+    text_config: bool = False
+
+    def experts_name(self, prefix: str, index: int) -> str:
+        return f"{prefix}layers.{index}.{self.block}.experts"
+
+    def structure(self, config: dict[str, Any], file: str) -> list[MoEStructure]:
+        if self.text_config and isinstance(config.get("text_config"), dict):
+            return self.layers(_Fields(config["text_config"], file, "text_config."))
+        return self.layers(_Fields(config, file))
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    arch.name: arch
+    for arch in (
+        Architecture("Qwen3MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=False, norm_topk_default=False)),
+        Architecture("Qwen2MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=True, norm_topk_default=False)),
+        Architecture("Qwen3NextForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=True, norm_topk_default=True)),
+        Architecture("Qwen3_5MoeForConditionalGeneration", "model.language_model.", "mlp",
+                     GATE_UP_DOWN, _qwen_moe(shared=True, norm_topk_default=None),
+                     text_config=True),
+        Architecture("Qwen3_5MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=True, norm_topk_default=None), text_config=True),
+        Architecture("MixtralForCausalLM", "model.", "block_sparse_moe", MIXTRAL_NAMES, _mixtral),
+        Architecture("DeepseekV3ForCausalLM", "model.", "mlp", GATE_UP_DOWN, _deepseek_v3),
+    )
+}
+
+
+def architecture_of(config: dict[str, Any], file: str) -> Architecture:
+    """The :class:`Architecture` named by config.json's ``architectures[0]``."""
+    names = config.get("architectures")
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not isinstance(names, list) or not names or not isinstance(names[0], str):
+        raise CheckpointError(
+            f"{file}: 'architectures' must name the model class (supported: {supported})")
+    arch = ARCHITECTURES.get(names[0])
+    if arch is None:
+        raise CheckpointError(
+            f"{file}: architecture {names[0]!r} is not supported; supported: {supported}")
+    return arch
