@@ -48,6 +48,8 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
 
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    if len(send) == 1:  # a group of one rank: nothing to move (no process group needed)
+        return rows
     out = rows.new_empty((sum(recv), rows.shape[1]))
     dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
     return out
@@ -90,7 +92,10 @@ class TorchAllToAll(CommBackend):
         sent_w = topk_weights[token_index].float()
 
         recv_counts_t = torch.empty_like(send_counts_t)
-        dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
+        if self.world > 1:
+            dist.all_to_all_single(recv_counts_t, send_counts_t, group=self.group)
+        else:
+            recv_counts_t.copy_(send_counts_t)
         send_counts = send_counts_t.tolist()
         recv_counts = recv_counts_t.tolist()
 
@@ -101,7 +106,7 @@ class TorchAllToAll(CommBackend):
                 raise ValueError("fp8 dispatch payload needs the layer's input scale")
             from moe_runtime.quant.fp8 import quantize_fp8_per_tensor
 
-            rows = quantize_fp8_per_tensor(rows, input_scale)
+            rows = quantize_fp8_per_tensor(rows.float(), input_scale)  # one rounding, as kernels do
             scale = input_scale
         elif payload != F.UNQUANTIZED:
             raise ValueError(f"torch_all_to_all carries unquantized or fp8, not {payload!r}")

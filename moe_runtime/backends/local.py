@@ -48,6 +48,7 @@ class LocalComm(CommBackend):
         if self.setup.layout == F.TOKEN_MAJOR:
             return expert_out
         flat = handle.topk_ids.reshape(-1).long()
-        rows = expert_out[flat, handle.slot].float().view(handle.num_tokens, handle.top_k, -1)
+        rows = expert_out[flat, handle.slot].float().view(
+            handle.num_tokens, handle.top_k, expert_out.shape[-1])
         out = (rows * handle.topk_weights.unsqueeze(-1)).sum(1)
         return out.to(expert_out.dtype)

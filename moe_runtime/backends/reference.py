@@ -1,8 +1,8 @@
 """The reference experts backend: exact dequantization in plain torch, every built-in format.
 
 It is the numerical reference of the conformance suite, not a fast path: weights are dequantized
-once at ``prepare`` (so a forward costs one float copy of the layer), activation quantization of
-W8A8/W4A4 formats is emulated exactly as the kernels would quantize.
+per expert in every forward, activation quantization of W8A8/W4A4 formats is emulated exactly as
+the kernels would quantize.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ class ReferenceExperts(ExpertsBackend):
                 f"layer {self.setup.problem.name}: the reference backend got weights of "
                 f"{weights.num_experts} experts, expected the {expected} local experts"
             )
+        dequantize_expert_weights(weights, torch.float32)  # validates shapes, dtypes and scales
         self.weights = weights
-        # Dequantized once, reused by every forward.
-        self._w13, self._w2 = dequantize_expert_weights(weights, torch.float32)
 
     def _input(self, d: Dispatched) -> torch.Tensor:
         if d.payload == F.UNQUANTIZED:
@@ -43,11 +42,9 @@ class ReferenceExperts(ExpertsBackend):
         if d.layout == F.TOKEN_MAJOR:
             return reference_fused_experts(
                 x, d.topk_ids, d.topk_weights, self.weights, run_as_format=run_as,
-                dequantized=(self._w13, self._w2),
             )
         if d.layout == F.MASKED:
             return reference_masked_experts(
                 x, d.masked_m, self.weights, run_as_format=run_as,
-                dequantized=(self._w13, self._w2),
             )
         raise ValueError(f"reference backend has no layout {d.layout!r}")

@@ -5,41 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-
-def build_plugin_dist(root: Path, dist: str, module: str, ep_name: str, code: str) -> Path:
-    """Write a one-module distribution with an entry point in the ``moe_runtime`` group."""
-    src = root / f"src-{dist}"
-    (src / module).mkdir(parents=True)
-    (src / module / "__init__.py").write_text(textwrap.dedent(code))
-    (src / "pyproject.toml").write_text(textwrap.dedent(f"""
-        [build-system]
-        requires = ["setuptools>=64"]
-        build-backend = "setuptools.build_meta"
-
-        [project]
-        name = "{dist}"
-        version = "1.2.3"
-
-        [project.entry-points.moe_runtime]
-        {ep_name} = "{module}"
-
-        [tool.setuptools]
-        packages = ["{module}"]
-    """))
-    return src
-
-
-def pip_install_target(srcs: list[Path], target: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), *map(str, srcs)],
-        check=True, capture_output=True,
-    )
+from moe_runtime.testing.dists import build_plugin_dist, pip_install_target
 
 
 GOOD_PLUGIN = '''

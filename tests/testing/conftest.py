@@ -1,0 +1,1 @@
+pytest_plugins = ["moe_runtime.testing.plugin"]
