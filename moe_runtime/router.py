@@ -19,7 +19,7 @@ class RouterConfig:
     :param has_correction_bias: a per-expert bias added to scores for *selection* only.
     """
 
-    scoring: str = "softmax"
+    scoring: str = attrs.field(default="softmax")
     top_k: int = 2
     renormalize: bool = True
     n_group: int = 1

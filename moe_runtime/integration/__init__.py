@@ -1,0 +1,1 @@
+"""Model integrations: running whole models with their MoE layers through moe-runtime."""

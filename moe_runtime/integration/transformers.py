@@ -1,0 +1,271 @@
+"""Run a transformers MoE model with every MoE layer going through moe-runtime's plan.
+
+moe-runtime registers itself in transformers' ``ExpertsInterface`` under ``"moe_runtime"``: the
+model's own router computes top-k ids and weights, and each experts module hands them to the
+layer's :class:`~moe_runtime.layer.MoEExecutor`. The model code stays untouched; the hot path is one
+attribute lookup and the plan's two backends.
+
+Weights are read from the checkpoint folder directly: MoE experts through their quantization
+method (local experts only, one layer at a time), every other tensor as stored, with quantized
+non-MoE linears (FP8, NVFP4) dequantized to the model dtype at load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import attrs
+import torch
+
+from moe_runtime.tensors import CheckpointTensors, WeightError
+
+EXPERTS_IMPLEMENTATION = "moe_runtime"
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    return self._moe_runtime_executor(hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_implementation() -> None:
+    """Make ``experts_implementation="moe_runtime"`` known to transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+
+
+@attrs.define
+class LoadedModel:
+    model: torch.nn.Module
+    checkpoint: object
+    plan: object | None
+    linears: dict[str, str]  # module -> how it is served ("bf16", "fp8 dequantized to bf16", ...)
+    dtype: torch.dtype
+    device: str
+
+    def plan_json(self) -> dict:
+        from moe_runtime.model_plan import checkpoint_summary
+
+        data = {"checkpoint": checkpoint_summary(self.checkpoint), "linears": self.linears}
+        if self.plan is not None:
+            data.update(self.plan.to_json())
+        return data
+
+
+def _hf_config(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = dtype
+    return config
+
+
+def _find_module(model, ckpt_name: str):
+    """The model's module for a checkpoint module name (``block_sparse_moe`` is ``mlp`` in 5.x)."""
+    modules = dict(model.named_modules())
+    for cand in _name_candidates(ckpt_name):
+        if cand in modules:
+            return cand, modules[cand]
+    raise WeightError(f"the model has no module for checkpoint module {ckpt_name!r}")
+
+
+def _name_candidates(name: str):
+    yield name
+    yield name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def _ckpt_name_for(param_name: str, tensors: CheckpointTensors) -> str | None:
+    for cand in (param_name, param_name.replace(".mlp.gate.", ".block_sparse_moe.gate."),
+                 param_name.replace(".mlp.", ".block_sparse_moe.")):
+        if cand in tensors:
+            return cand
+    return None
+
+
+def _dequantize_linear(tensors: CheckpointTensors, name: str, dtype) -> tuple[torch.Tensor, str]:
+    """A linear weight as the model dtype, dequantizing FP8 / NVFP4 storage."""
+    base = name[: -len(".weight")]
+    w = tensors.get(name)
+    if f"{base}.weight_scale" not in tensors:
+        return w.to(dtype), str(w.dtype).replace("torch.", "")
+    scale = tensors.get(f"{base}.weight_scale")
+    if w.dtype == torch.float8_e4m3fn:
+        return (w.float() * scale.float()).to(dtype), "fp8 dequantized at load"
+    if w.dtype == torch.uint8:
+        from moe_runtime.quant.nvfp4 import dequantize_nvfp4
+
+        s2 = tensors.get(f"{base}.weight_scale_2").float()
+        return dequantize_nvfp4(w, scale, s2).to(dtype), "nvfp4 dequantized at load"
+    raise WeightError(f"tensor {name!r} has dtype {w.dtype} with a weight_scale; expected "
+                      "float8_e4m3fn or uint8 (NVFP4)")
+
+
+def _recreate_nonpersistent_buffers(model, device) -> None:
+    """Modules built on the meta device lose computed buffers (rotary inv_freq): rebuild them."""
+    for name, module in list(model.named_modules()):
+        if not getattr(module, "_non_persistent_buffers_set", None):
+            continue
+        cfg = getattr(module, "config", None)
+        if cfg is None:
+            raise WeightError(f"cannot rebuild the computed buffers of module {name!r}")
+        fresh = type(module)(config=cfg, device=device)
+        for b in module._non_persistent_buffers_set:
+            setattr(module, b, getattr(fresh, b))
+        for attr, value in vars(fresh).items():
+            if isinstance(value, torch.Tensor) and not attr.startswith("_"):
+                setattr(module, attr, value)
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    registry=None,
+    deployment=None,
+    environment=None,
+    device: str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    dequantize_experts: bool = False,
+    ep_rank: int = 0,
+    ep_size: int | None = None,
+    group=None,
+    progress: Callable | bool = False,
+) -> LoadedModel:
+    """Load a local checkpoint as a transformers model whose MoE layers run through moe-runtime.
+
+    The plan is made (and a refusal raised) before any weight is read. With
+    ``dequantize_experts=True`` no plan is made: the experts are dequantized into transformers' own
+    parameters (the "transformers with ModelOpt-dequantized weights" reference).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.environment import Environment
+    from moe_runtime.layer import build_executor
+    from moe_runtime.manager import Registry
+    from moe_runtime.methods import load_expert_weights
+    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.planner import Deployment, plan_model
+    from moe_runtime.reference_math import dequantize_expert_weights
+
+    model_dir = Path(model_dir)
+    ckpt = read_checkpoint(model_dir)
+    if dtype is None:
+        dtype = _DTYPES.get(str(ckpt.dtype or "bfloat16").replace("torch.", ""), torch.bfloat16)
+    elif isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    deployment = deployment or Deployment()
+    if ep_size is None:
+        ep_size = deployment.ep_size
+    plan = None
+    if not dequantize_experts:
+        registry = registry or Registry.load()
+        if environment is None:
+            environment = Environment.probe(device=device, modules=registry.required_modules())
+        plan = plan_model(problems_from_checkpoint(ckpt), registry=registry,
+                          environment=environment, deployment=deployment)
+
+    tensors = CheckpointTensors(model_dir)
+    config = _hf_config(model_dir, dtype)
+    register_experts_implementation()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype,
+            experts_implementation=None if dequantize_experts else EXPERTS_IMPLEMENTATION)
+
+    experts_modules = {}
+    for layer in ckpt.moe_layers:
+        hf_name, mod = _find_module(model, layer.name)
+        experts_modules[layer.name] = (hf_name, mod)
+        if not dequantize_experts:
+            # moe-runtime holds these weights; transformers' copies would only cost memory.
+            for pname in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(mod, pname, None), torch.nn.Parameter):
+                    setattr(mod, pname, torch.nn.Parameter(torch.empty(0, device="meta"),
+                                                           requires_grad=False))
+    model.to_empty(device=device)
+    _recreate_nonpersistent_buffers(model, device)
+
+    skip = tuple(hf + "." for hf, _ in experts_modules.values())
+    linears: dict[str, str] = {}
+    state = model.state_dict(keep_vars=True)
+    steps = [k for k in state if not k.startswith(skip)]
+    layers = list(ckpt.moe_layers)
+    bar = _progress(progress, total=len(steps) + len(layers), desc="loading weights")
+    with torch.no_grad():
+        for key in steps:
+            target = state[key]
+            src = _ckpt_name_for(key, tensors)
+            if src is None:
+                if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+                    bar.update(1)
+                    continue
+                raise WeightError(
+                    f"tensor {key!r} of the model is missing from {model_dir} (looked for "
+                    f"{', '.join(repr(c) for c in dict.fromkeys(_name_candidates(key)))})")
+            if src.endswith(".weight") and target.dim() == 2:
+                value, how = _dequantize_linear(tensors, src, dtype)
+                linears[src[: -len(".weight")]] = how
+            else:
+                value = tensors.get(src)
+            if tuple(value.shape) != tuple(target.shape):
+                raise WeightError(f"tensor {src!r} has shape {list(value.shape)}; the model "
+                                  f"expects {list(target.shape)} for {key!r}")
+            target.data.copy_(value.to(target.dtype))
+            bar.update(1)
+
+        for layer in layers:
+            hf_name, mod = experts_modules[layer.name]
+            if dequantize_experts:
+                w = load_expert_weights(tensors, layer, dtype=dtype)
+                w13, w2 = dequantize_expert_weights(w, torch.float32)
+                mod.gate_up_proj.data.copy_(w13.to(dtype))
+                mod.down_proj.data.copy_(w2.to(dtype))
+            else:
+                lp = plan.for_layer(layer.name)
+                from moe_runtime.runtime import ExpertsSetup
+
+                local = ExpertsSetup(problem=lp.problem, runs_as=lp.runs_as, payload=lp.payload,
+                                     layout=lp.layout, ep_rank=ep_rank, ep_size=ep_size)
+                ids = range(local.first_local_expert,
+                            local.first_local_expert + local.num_local_experts)
+                w = load_expert_weights(tensors, layer, experts=ids, dtype=dtype).to(device)
+                mod._moe_runtime_executor = build_executor(
+                    lp, registry, w, device=device, ep_rank=ep_rank, ep_size=ep_size,
+                    group=group, max_tokens_per_rank=deployment.max_tokens_per_rank)
+            linears.setdefault(layer.name, f"MoE experts: {layer.quant.format}")
+            bar.update(1)
+    bar.close()
+    tensors.close()
+    model.eval()
+    return LoadedModel(model, ckpt, plan, linears, dtype, device)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(progress, total, desc):
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="tensor")
+    if callable(progress):
+        return progress(total=total, desc=desc)
+    return _NoBar()
+
+
+def read_generation_config(model_dir: str | Path) -> dict:
+    p = Path(model_dir) / "generation_config.json"
+    return json.loads(p.read_text()) if p.exists() else {}
