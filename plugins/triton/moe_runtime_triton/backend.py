@@ -1,0 +1,53 @@
+"""The experts backend class (imported only when the planner selects ``triton``)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_runtime import formats as F
+from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+
+from moe_runtime_triton import ops
+
+
+class TritonExperts(ExpertsBackend):
+    """Fused MoE through this package's Triton kernels, token-major layout.
+
+    ``prepare`` checks the weights and lays them out once; ``forward`` launches routing, the two
+    grouped GEMMs and the finalize kernel with no host synchronisation (CUDA-graph capturable).
+    """
+
+    def prepare(self, weights: ExpertWeights) -> None:
+        expected = self.setup.num_local_experts
+        if weights.num_experts != expected:
+            raise ValueError(
+                f"layer {self.setup.problem.name}: the triton backend got weights of "
+                f"{weights.num_experts} experts, expected the {expected} local experts")
+        if self.setup.layout != F.TOKEN_MAJOR:
+            raise ValueError(f"the triton backend consumes the token_major layout, not "
+                             f"{self.setup.layout!r}")
+        self.weights = ops.prepare_weights(weights, self.setup.runs_as)
+        self._top_k = self.setup.problem.top_k
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per layer, bounded by token counts
+    def _config(self, n_tokens: int, top_k: int) -> dict:
+        pw = self.weights
+        return ops.get_config(pw.run_as, pw.num_experts, pw.hidden_size, pw.intermediate_size,
+                              top_k, n_tokens)
+
+    def forward(self, d: Dispatched) -> torch.Tensor:
+        if d.layout != F.TOKEN_MAJOR:
+            raise ValueError(f"the triton backend consumes token_major, got {d.layout!r}")
+        hidden_scale = None
+        if d.payload == F.FP8:
+            hidden_scale = d.hidden_scale
+        elif d.payload != F.UNQUANTIZED:
+            raise ValueError(f"the triton backend does not accept payload {d.payload!r}")
+        ids = d.topk_ids
+        top_k = ids.shape[1] if ids.dim() == 2 else 1
+        cfg = self._config(int(d.hidden.shape[0]), top_k)
+        return ops.fused_moe_prepared(d.hidden, ids, d.topk_weights, self.weights,
+                                      hidden_scale=hidden_scale, out_dtype=d.out_dtype,
+                                      config=cfg)

@@ -1,0 +1,401 @@
+"""Triton kernels of the fused MoE experts path (written for moe-runtime).
+
+Pipeline of one forward (token-major layout, ``P = N * topk`` (token, expert) pairs):
+
+1. **Routing** (``route_small_kernel`` in one program, or ``route_count_kernel`` ->
+   ``route_offsets_kernel`` -> ``route_scatter_kernel`` for large ``P``): per-expert counts,
+   each expert's rows padded to ``BLOCK_M``, ``sorted_ids[row] = pair`` (``P`` marks padding),
+   ``expert_ends[e]`` = end row of expert ``e`` (cumulative, padded). Pairs whose expert id is
+   outside ``[0, E)`` (``-1`` = expert on another rank) are skipped. The row buffer is sized from
+   the upper bound ``(cdiv(P, BLOCK_M) + min(E, P)) * BLOCK_M``, so nothing depends on data and the
+   whole path is CUDA-graph capturable.
+2. **GEMM 1** (``moe_gemm1_kernel``): one program per (row block, intermediate block). It finds its
+   expert from ``expert_ends``, gathers token rows of ``hidden`` through ``sorted_ids``, multiplies
+   by the gate rows ``n`` and the up rows ``I + n`` of ``w13[e]`` (two accumulators), applies the
+   scales and ``act(gate) * up`` in the epilogue and stores the intermediate in sorted row order
+   (fp8 for W8A8, quantized with ``a2_scale``).
+3. **GEMM 2** (``moe_gemm2_kernel``): rows of the intermediate times ``w2[e]``, scaled, times the
+   routing weight, stored per pair into ``y[P, H]``.
+4. **Finalize** (``moe_finalize_kernel``): ``out[t] = sum_k y[t * topk + k]`` over valid ``k`` in a
+   fixed order (deterministic), in float32, cast to the output dtype.
+
+Weight formats (``WFMT``): 0 = 16-bit (bf16/fp16/fp32 as the activations), 1 = FP8 e4m3 with
+per-row float32 scales, 2 = NVFP4 (packed E2M1, low nibble = even column, e4m3 block scales of 16,
+per-expert ``scale_2``), dequantized in the main loop to the activation dtype; the weights stay
+4-bit in memory.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+WFMT_16BIT = 0
+WFMT_FP8 = 1
+WFMT_NVFP4 = 2
+
+ACT_SILU = 0
+ACT_GELU = 1
+
+FP8_MAX = 448.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def route_small_kernel(
+    ids_ptr, sorted_ptr, ends_ptr, scratch_ptr,
+    P, E, max_rows,
+    BLOCK_M: tl.constexpr, P_P2: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr,
+):
+    """All of the routing in one program (``P <= P_P2``)."""
+    eo = tl.arange(0, E_P2)
+    emask = eo < E
+    tl.store(scratch_ptr + eo, tl.zeros([E_P2], dtype=tl.int32), mask=emask)
+    sentinel = tl.zeros([FILL], dtype=tl.int32) + P
+    for start in range(0, max_rows, FILL):
+        fo = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + fo, sentinel, mask=fo < max_rows)
+    tl.debug_barrier()
+
+    po = tl.arange(0, P_P2)
+    pmask = po < P
+    e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    rank = tl.atomic_add(scratch_ptr + e, tl.full([P_P2], 1, tl.int32), mask=valid)
+    tl.debug_barrier()
+
+    counts = tl.load(scratch_ptr + eo, mask=emask, other=0, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(ends_ptr + eo, ends, mask=emask)
+    tl.debug_barrier()
+    tl.store(scratch_ptr + eo, ends - padded, mask=emask)
+    tl.debug_barrier()
+    start_row = tl.load(scratch_ptr + e, mask=valid, other=0, cache_modifier=".cg")
+    tl.store(sorted_ptr + start_row + rank, po, mask=valid)
+
+
+@triton.jit
+def route_count_kernel(
+    ids_ptr, counts_ptr, rank_ptr, sorted_ptr,
+    P, E, max_rows, fill_per_program,
+    BLOCK: tl.constexpr,
+):
+    """Large ``P``: ranks within each expert by atomics (``counts`` zeroed before) and the
+    sentinel fill of ``sorted_ids`` (each program a slice)."""
+    pid = tl.program_id(0)
+    po = pid * BLOCK + tl.arange(0, BLOCK)
+    pmask = po < P
+    e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    rank = tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    tl.store(rank_ptr + po, rank, mask=pmask)
+    base = pid * fill_per_program
+    for start in range(0, fill_per_program, BLOCK):
+        fo = base + start + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + fo, tl.zeros([BLOCK], dtype=tl.int32) + P,
+                 mask=(fo < max_rows) & (fo < base + fill_per_program))
+
+
+@triton.jit
+def route_offsets_kernel(counts_ptr, ends_ptr, starts_ptr, E, BLOCK_M: tl.constexpr,
+                         E_P2: tl.constexpr):
+    eo = tl.arange(0, E_P2)
+    emask = eo < E
+    counts = tl.load(counts_ptr + eo, mask=emask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(ends_ptr + eo, ends, mask=emask)
+    tl.store(starts_ptr + eo, ends - padded, mask=emask)
+
+
+@triton.jit
+def route_scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, P, E, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    po = pid * BLOCK + tl.arange(0, BLOCK)
+    pmask = po < P
+    e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    rank = tl.load(rank_ptr + po, mask=valid, other=0)
+    start = tl.load(starts_ptr + e, mask=valid, other=0)
+    tl.store(sorted_ptr + start + rank, po, mask=valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces of the GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row blocks share the sweep over the N blocks (L2 reuse)."""
+    group_size = GROUP_M * num_n_blocks
+    group = pid // group_size
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % size_m
+    pid_n = (pid % group_size) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _expert_of_row(ends_ptr, row0, E, E_P2: tl.constexpr):
+    """Expert owning sorted row ``row0`` (the number of padded expert ends <= row0)."""
+    eo = tl.arange(0, E_P2)
+    ends = tl.load(ends_ptr + eo, mask=eo < E, other=2147483647)
+    return tl.sum((ends <= row0).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """Decode float8 e4m3fn bytes (uint8) to float32 by integer arithmetic (any GPU)."""
+    b = b.to(tl.int32)
+    sign = (b >> 7) & 1
+    exp = (b >> 3) & 15
+    man = b & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    sub = man.to(tl.float32) * 0.001953125  # man * 2**-9
+    v = tl.where(exp == 0, sub, normal)
+    return tl.where(sign == 1, -v, v)
+
+
+@triton.jit
+def _load_b_tile(
+    w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K,
+    stride_wn, stride_wsn,
+    n_mask, WFMT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, compute_dtype: tl.constexpr,
+):
+    """Tile ``[BLOCK_K, BLOCK_N]`` of ``W^T`` rows ``offs_n`` (``W [rows, K]``, K contiguous)."""
+    if WFMT == 2:
+        offs_kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kp[None, :]
+        if EVEN_K:
+            packed = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            packed = tl.load(ptrs, mask=n_mask[:, None] & (offs_kp[None, :] < K // 2), other=0)
+        packed = packed.to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))
+        # E2M1 -> float16 bits: sign to bit 15, (exp, mantissa) to bits 11..9; that float16 is
+        # the E2M1 value times 2**-14 (exact, subnormal for exp == 0).
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        vals = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sptrs = ws_ptr + ws_base + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+        if EVEN_K:
+            sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
+        else:
+            sbytes = tl.load(sptrs, mask=n_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
+        scale = _e4m3_to_f32(sbytes) * 16384.0
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)),
+                           (BLOCK_N, BLOCK_K))
+        w = (vals * scale).to(compute_dtype)
+        return tl.trans(w)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + w_base + offs_k[:, None] + offs_n[None, :] * stride_wn
+        if EVEN_K:
+            return tl.load(ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            return tl.load(ptrs, mask=n_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+
+
+@triton.jit
+def _quant_fp8(x, scale):
+    """Round-to-nearest-even of ``x / scale`` (an exact division, as the reference divides)."""
+    q = tl.math.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + scale)
+    q = tl.clamp(q, -448.0, 448.0)
+    # Round to the e4m3 grid in float32 first (step 2**(exponent - 3), 2**-9 below the normal
+    # range), so that the final conversion is exact whatever the converter's rounding does.
+    exp = (q.to(tl.int32, bitcast=True) >> 23) & 255
+    step_exp = tl.maximum(exp, 121) - 3
+    step = (step_exp << 23).to(tl.float32, bitcast=True)
+    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+    r = (q * inv_step + 12582912.0) - 12582912.0
+    return (r * step).to(tl.float8e4nv)
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM 1: gather + (gate, up) + act-and-mul
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr, w_ptr, ws_ptr, ws2_ptr, a_scale_ptr, a2_scale_ptr, inter_ptr,
+    sorted_ptr, ends_ptr,
+    P, E, H, I, num_m_blocks, topk,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_im,
+    WFMT: tl.constexpr, A_QUANT: tl.constexpr, OUT_FP8: tl.constexpr, ACT: tl.constexpr,
+    EVEN_K: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    compute_dtype: tl.constexpr,
+):
+    """``inter[row, n] = act(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n])`` for sorted rows.
+
+    ``A_QUANT``: 0 = ``x`` is in the compute dtype; 1 = ``x`` is fp8 already (scale
+    ``a_scale``); 2 = ``x`` is 16-bit and is quantized to fp8 here with ``a_scale``.
+    """
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    total_rows = tl.load(ends_ptr + E - 1)
+    if row0 >= total_rows:
+        return
+    e = _expert_of_row(ends_ptr, row0, E, E_P2)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_valid = pair < P
+    tok = tl.where(row_valid, pair // topk, 0).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+
+    e64 = e.to(tl.int64)
+    w_base_g = e64 * stride_we
+    w_base_u = w_base_g + I * stride_wn
+    ws_base_g = e64 * stride_wse
+    ws_base_u = ws_base_g + I * stride_wsn
+
+    if WFMT == 1:
+        a_scale = tl.load(a_scale_ptr)
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_valid[:, None], other=0.0)
+        else:
+            a = tl.load(x_ptrs, mask=row_valid[:, None] & (offs_k[None, :] < H - k0), other=0.0)
+        if A_QUANT == 2:
+            a = _quant_fp8(a, a_scale)
+        b_g = _load_b_tile(w_ptr, ws_ptr, w_base_g, ws_base_g, offs_n, k0, H, stride_wn,
+                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+        b_u = _load_b_tile(w_ptr, ws_ptr, w_base_u, ws_base_u, offs_n, k0, H, stride_wn,
+                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+        acc_g = tl.dot(a, b_g, acc_g)
+        acc_u = tl.dot(a, b_u, acc_u)
+        x_ptrs += BLOCK_K
+
+    if WFMT == 1:
+        sg = tl.load(ws_ptr + ws_base_g + offs_n * stride_wsn, mask=n_mask, other=0.0)
+        su = tl.load(ws_ptr + ws_base_u + offs_n * stride_wsn, mask=n_mask, other=0.0)
+        acc_g = acc_g * (sg * a_scale)[None, :]
+        acc_u = acc_u * (su * a_scale)[None, :]
+    if WFMT == 2:
+        s2 = tl.load(ws2_ptr + e)
+        acc_g = acc_g * s2
+        acc_u = acc_u * s2
+    if ACT == 0:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476)) * acc_u
+
+    i_ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+    i_mask = n_mask[None, :]
+    if OUT_FP8:
+        tl.store(i_ptrs, _quant_fp8(h, tl.load(a2_scale_ptr)), mask=i_mask)
+    else:
+        tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM 2: (sorted rows) x w2 * routing weight -> per-pair rows
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    inter_ptr, w_ptr, ws_ptr, ws2_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
+    sorted_ptr, ends_ptr,
+    P, E, H, I, num_m_blocks,
+    stride_im, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
+    WFMT: tl.constexpr, EVEN_K: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    compute_dtype: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    total_rows = tl.load(ends_ptr + E - 1)
+    if row0 >= total_rows:
+        return
+    e = _expert_of_row(ends_ptr, row0, E, E_P2)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_valid = pair < P
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_k[None, :]
+    e64 = e.to(tl.int64)
+    w_base = e64 * stride_we
+    ws_base = e64 * stride_wse
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        # Padding rows of the intermediate were written too (finite), no row mask needed.
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < I - k0, other=0.0)
+        b = _load_b_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, I, stride_wn, stride_wsn,
+                         n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+
+    if WFMT == 1:
+        s = tl.load(ws_ptr + ws_base + offs_n * stride_wsn, mask=n_mask, other=0.0)
+        acc = acc * (s * tl.load(a2_scale_ptr))[None, :]
+    if WFMT == 2:
+        acc = acc * tl.load(ws2_ptr + e)
+    rw = tl.load(topk_w_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + tl.where(row_valid, pair, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Finalize and activation quantization
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_finalize_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_ym, stride_om,
+                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        p = t * TOPK + k
+        e = tl.load(ids_ptr + p + tl.zeros([BLOCK_H], dtype=tl.int32))
+        ok = hmask & (e >= 0) & (e < E)
+        v = tl.load(y_ptr + p.to(tl.int64) * stride_ym + offs, mask=ok, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty),
+             mask=hmask)
+
+
+@triton.jit
+def quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(q_ptr + offs, _quant_fp8(x, tl.load(scale_ptr)), mask=m)

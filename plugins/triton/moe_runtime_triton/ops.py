@@ -1,0 +1,373 @@
+"""Host side of the Triton fused-MoE path: weight preparation, tile configs, launches.
+
+Everything launched by :func:`fused_moe_prepared` is sized from shapes only (``N``, ``topk``, ``E``,
+``H``, ``I`` and the config), never from data: no host synchronisation, so a decode step can be
+captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from moe_runtime import formats as F
+from moe_runtime.runtime import ExpertWeights
+
+from moe_runtime_triton import kernels as K
+
+_FMT_CODE = {F.BF16: K.WFMT_16BIT, F.FP16: K.WFMT_16BIT, F.FP8_W8A8: K.WFMT_FP8,
+             F.NVFP4_W4A16: K.WFMT_NVFP4, F.NVFP4_W4A4: K.WFMT_NVFP4}
+_RUNS = {
+    # (stored format, run_as) pairs this module executes
+    (F.BF16, F.BF16), (F.FP16, F.FP16), (F.FP8_W8A8, F.FP8_W8A8),
+    (F.NVFP4_W4A16, F.NVFP4_W4A16), (F.NVFP4_W4A4, F.NVFP4_W4A16),
+}
+_ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+SMALL_ROUTE_MAX_PAIRS = 4096
+CONFIG_FILE = Path(__file__).with_name("configs.json")
+
+
+@attrs.frozen
+class PreparedWeights:
+    """Kernel-ready view of one layer's local experts (built once at load)."""
+
+    run_as: str
+    wfmt: int
+    activation: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None  # fp8: float32 [E, 2I]; nvfp4: uint8 (e4m3 bytes) [E, 2I, H/16]
+    w2_scale: torch.Tensor | None
+    w13_scale_2: torch.Tensor | None  # nvfp4: float32 [E]
+    w2_scale_2: torch.Tensor | None
+    a13_scale: torch.Tensor | None  # fp8: float32 [1]
+    a2_scale: torch.Tensor | None
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def weight_dtype_name(self) -> str:
+        return self.run_as
+
+
+def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeights:
+    """Check formats and shapes and lay the tensors out for the kernels (contiguous, scale views)."""
+    run_as = run_as or w.format
+    if (w.format, run_as) not in _RUNS:
+        raise ValueError(
+            f"the Triton experts path does not run {w.format!r} weights as {run_as!r}; "
+            f"it runs {sorted(_RUNS)}"
+        )
+    if w.activation not in _ACT:
+        raise ValueError(f"activation {w.activation!r} is not one of {sorted(_ACT)}")
+    wfmt = _FMT_CODE[w.format]
+    E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+
+    def f32(t, shape=None):
+        if t is None:
+            return None
+        t = t.to(torch.float32).contiguous()
+        return t.reshape(shape) if shape is not None else t
+
+    w13s = w2s = w13s2 = w2s2 = a13 = a2 = None
+    if wfmt == K.WFMT_16BIT:
+        want = torch.bfloat16 if w.format == F.BF16 else torch.float16
+        if w.w13.dtype not in (want, torch.float32):
+            raise ValueError(f"{w.format} weights must be {want}, got {w.w13.dtype}")
+    elif wfmt == K.WFMT_FP8:
+        if w.w13.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_w8a8 weights must be float8_e4m3fn, got {w.w13.dtype}")
+        for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale"):
+            if getattr(w, name) is None:
+                raise ValueError(f"fp8_w8a8 weights need {name}")
+        w13s = f32(w.w13_scale).expand(E, 2 * I).contiguous() if w.w13_scale.numel() != E * 2 * I \
+            else f32(w.w13_scale, (E, 2 * I))
+        w2s = f32(w.w2_scale).expand(E, H).contiguous() if w.w2_scale.numel() != E * H \
+            else f32(w.w2_scale, (E, H))
+        a13 = f32(w.a13_scale, (1,))
+        a2 = f32(w.a2_scale, (1,))
+    else:
+        if w.w13.dtype != torch.uint8:
+            raise ValueError(f"{w.format} weights must be packed uint8, got {w.w13.dtype}")
+        for name in ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"):
+            if getattr(w, name) is None:
+                raise ValueError(f"{w.format} weights need {name}")
+        if H % 16 or I % 16:
+            raise ValueError(f"nvfp4 needs hidden and intermediate sizes divisible by 16, got {H}, {I}")
+        w13s = w.w13_scale.contiguous().view(torch.uint8)
+        w2s = w.w2_scale.contiguous().view(torch.uint8)
+        w13s2 = f32(w.w13_scale_2).reshape(-1).expand(E).contiguous()
+        w2s2 = f32(w.w2_scale_2).reshape(-1).expand(E).contiguous()
+    return PreparedWeights(
+        run_as=run_as, wfmt=wfmt, activation=w.activation,
+        w13=w.w13.contiguous(), w2=w.w2.contiguous(),
+        w13_scale=w13s, w2_scale=w2s, w13_scale_2=w13s2, w2_scale_2=w2s2,
+        a13_scale=a13, a2_scale=a2, num_experts=E, hidden_size=H, intermediate_size=I,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configurations
+# ----------------------------------------------------------------------------------------------
+
+
+def _gemm_cfg(bn, bk, group_m, warps, stages):
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": warps,
+            "num_stages": stages}
+
+
+def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens: int) -> dict:
+    """A config from the shape and token count, for shapes the tuned table lacks."""
+    pairs = max(1, n_tokens * topk)
+    rows_per_expert = pairs / max(1, min(E, pairs))
+    on_gpu = torch.cuda.is_available()
+    stages = 4 if on_gpu else 1
+    if rows_per_expert <= 16:
+        bm = 16
+        g1 = _gemm_cfg(32, 128, 1, 4, stages)
+        g2 = _gemm_cfg(64, 128, 1, 4, stages)
+    elif rows_per_expert <= 48:
+        bm = 32
+        g1 = _gemm_cfg(64, 64, 4, 4, stages)
+        g2 = _gemm_cfg(64, 64, 4, 4, stages)
+    elif rows_per_expert <= 160:
+        bm = 64
+        g1 = _gemm_cfg(64, 64, 8, 4, min(stages, 4))
+        g2 = _gemm_cfg(128, 64, 8, 4, min(stages, 4))
+    else:
+        bm = 128
+        g1 = _gemm_cfg(64, 64, 8, 8, min(stages, 3))
+        g2 = _gemm_cfg(128, 64, 8, 8, min(stages, 3))
+    if fmt_code == K.WFMT_FP8:
+        # fp8 tiles: K twice as deep for the same bytes
+        g1["BLOCK_K"] = g2["BLOCK_K"] = 128
+    if fmt_code == K.WFMT_NVFP4:
+        g1["BLOCK_K"] = max(g1["BLOCK_K"], 64)
+        g2["BLOCK_K"] = max(g2["BLOCK_K"], 64)
+    return {"BLOCK_M": bm, "g1": g1, "g2": g2, "a_prequant": pairs > 1024}
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned_table() -> dict:
+    path = Path(os.environ.get("MOE_TRITON_CONFIGS", CONFIG_FILE))
+    if not path.exists():
+        return {}
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def table_key(run_as: str, E: int, H: int, I: int, topk: int) -> str:
+    return f"{run_as},E={E},H={H},I={I},topk={topk}"
+
+
+def get_config(run_as: str, E: int, H: int, I: int, topk: int, n_tokens: int) -> dict:
+    """The tuned config nearest in log(token count) for this shape, else the heuristic."""
+    entry = _tuned_table().get(table_key(run_as, E, H, I, topk))
+    if entry:
+        best = min(entry, key=lambda k: abs(math.log2(int(k)) - math.log2(max(1, n_tokens))))
+        return entry[best]
+    return heuristic_config(_FMT_CODE[run_as], E, H, I, topk, n_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launches
+# ----------------------------------------------------------------------------------------------
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def max_sorted_rows(pairs: int, E: int, block_m: int) -> int:
+    """Upper bound of padded rows: every expert adds at most one partial block."""
+    return (triton.cdiv(pairs, block_m) + min(E, pairs)) * block_m
+
+
+def route(topk_ids: torch.Tensor, E: int, block_m: int):
+    """``(sorted_ids [R] int32, expert_ends [E] int32, R)`` for flattened ``topk_ids``."""
+    ids = topk_ids.reshape(-1)
+    P = ids.numel()
+    dev = ids.device
+    R = max_sorted_rows(P, E, block_m)
+    sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    e_p2 = _p2(E)
+    if P <= SMALL_ROUTE_MAX_PAIRS:
+        scratch = torch.empty(E, dtype=torch.int32, device=dev)
+        p_p2 = max(16, _p2(P))
+        K.route_small_kernel[(1,)](
+            ids, sorted_ids, ends, scratch, P, E, R,
+            BLOCK_M=block_m, P_P2=p_p2, E_P2=max(16, e_p2), FILL=1024,
+            num_warps=4 if p_p2 <= 1024 else 8,
+        )
+    else:
+        counts = torch.zeros(E, dtype=torch.int32, device=dev)
+        rank = torch.empty(P, dtype=torch.int32, device=dev)
+        starts = torch.empty(E, dtype=torch.int32, device=dev)
+        block = 1024
+        grid = triton.cdiv(P, block)
+        fill_per = triton.cdiv(triton.cdiv(R, grid), block) * block
+        K.route_count_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
+                                      BLOCK=block, num_warps=4)
+        K.route_offsets_kernel[(1,)](counts, ends, starts, E, BLOCK_M=block_m,
+                                     E_P2=max(16, e_p2), num_warps=4)
+        K.route_scatter_kernel[(grid,)](ids, rank, starts, sorted_ids, P, E, BLOCK=block,
+                                        num_warps=4)
+    return sorted_ids, ends, R
+
+
+def _launch_opts(cfg: dict) -> dict:
+    opts = {"num_warps": cfg["num_warps"]}
+    if torch.cuda.is_available():
+        opts["num_stages"] = cfg["num_stages"]
+    return opts
+
+
+def fused_moe_prepared(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pw: PreparedWeights,
+    *,
+    hidden_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``[N, H]``: per token, the routing-weighted sum of its valid experts' gated MLP outputs.
+
+    ``hidden`` is 16-bit (or float32), or float8_e4m3fn with ``hidden_scale`` (fp8_w8a8 only).
+    """
+    N, H = hidden.shape
+    E, I = pw.num_experts, pw.intermediate_size
+    if H != pw.hidden_size:
+        raise ValueError(f"hidden size {H} does not match the weights' {pw.hidden_size}")
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    prequant_in = hidden.dtype == torch.float8_e4m3fn
+    if prequant_in and (pw.wfmt != K.WFMT_FP8 or hidden_scale is None):
+        raise ValueError("fp8 activations are accepted only for fp8_w8a8 with their hidden_scale")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if prequant_in else hidden.dtype
+    if pw.wfmt == K.WFMT_16BIT:
+        compute = pw.w13.dtype
+        if hidden.dtype != compute:
+            hidden = hidden.to(compute)
+    elif pw.wfmt == K.WFMT_NVFP4:
+        compute = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            else torch.bfloat16
+    else:
+        compute = torch.float8_e4m3fn
+    out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
+    if N == 0:
+        return out
+    if not hidden.is_contiguous():
+        hidden = hidden.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+
+    cfg = config or get_config(pw.run_as, E, H, I, topk, N)
+    bm = cfg["BLOCK_M"]
+    sorted_ids, ends, R = route(topk_ids, E, bm)
+    P = N * topk
+    num_m_blocks = R // bm
+    e_p2 = max(16, _p2(E))
+    ctype = _TL_DTYPE.get(compute, tl.bfloat16)
+
+    # activations into GEMM 1
+    a_scale = pw.a13_scale
+    if pw.wfmt == K.WFMT_FP8:
+        if prequant_in:
+            x, a_quant, a_scale = hidden, 1, hidden_scale.reshape(1).to(torch.float32)
+        elif cfg.get("a_prequant", False):
+            x = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device=hidden.device)
+            blk = 4096
+            K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
+                hidden, x, a_scale, hidden.numel(), BLOCK=blk, num_warps=8)
+            a_quant = 1
+        else:
+            x, a_quant = hidden, 2
+        inter_dtype = torch.float8_e4m3fn
+    else:
+        x, a_quant = hidden, 0
+        inter_dtype = compute
+    inter = torch.empty((R, I), dtype=inter_dtype, device=hidden.device)
+    dummy = sorted_ids  # placeholder pointer for absent tensors
+
+    g1 = cfg["g1"]
+    even_k1 = H % g1["BLOCK_K"] == 0
+    grid1 = (num_m_blocks * triton.cdiv(I, g1["BLOCK_N"]),)
+    K.moe_gemm1_kernel[grid1](
+        x, pw.w13, pw.w13_scale if pw.w13_scale is not None else dummy,
+        pw.w13_scale_2 if pw.w13_scale_2 is not None else dummy,
+        a_scale if a_scale is not None else dummy,
+        pw.a2_scale if pw.a2_scale is not None else dummy,
+        inter, sorted_ids, ends,
+        P, E, H, I, num_m_blocks, topk,
+        x.stride(0), pw.w13.stride(0), pw.w13.stride(1),
+        pw.w13_scale.stride(0) if pw.wfmt != K.WFMT_16BIT else 0,
+        pw.w13_scale.stride(1) if pw.wfmt != K.WFMT_16BIT else 0,
+        inter.stride(0),
+        WFMT=pw.wfmt, A_QUANT=a_quant, OUT_FP8=pw.wfmt == K.WFMT_FP8,
+        ACT=_ACT[pw.activation], EVEN_K=even_k1, E_P2=e_p2,
+        BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
+        compute_dtype=ctype, **_launch_opts(g1),
+    )
+
+    y = torch.empty((P, H), dtype=out_dtype, device=hidden.device)
+    g2 = cfg["g2"]
+    even_k2 = I % g2["BLOCK_K"] == 0
+    grid2 = (num_m_blocks * triton.cdiv(H, g2["BLOCK_N"]),)
+    K.moe_gemm2_kernel[grid2](
+        inter, pw.w2, pw.w2_scale if pw.w2_scale is not None else dummy,
+        pw.w2_scale_2 if pw.w2_scale_2 is not None else dummy,
+        pw.a2_scale if pw.a2_scale is not None else dummy,
+        topk_weights, y, sorted_ids, ends,
+        P, E, H, I, num_m_blocks,
+        inter.stride(0), pw.w2.stride(0), pw.w2.stride(1),
+        pw.w2_scale.stride(0) if pw.wfmt != K.WFMT_16BIT else 0,
+        pw.w2_scale.stride(1) if pw.wfmt != K.WFMT_16BIT else 0,
+        y.stride(0),
+        WFMT=pw.wfmt, EVEN_K=even_k2, E_P2=e_p2,
+        BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
+        compute_dtype=ctype, **_launch_opts(g2),
+    )
+
+    bh = min(1024, max(16, _p2(H)))
+    K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
+        y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh,
+        num_warps=4,
+    )
+    return out
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w: ExpertWeights,
+    *,
+    run_as: str,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One-shot form: prepares ``w`` for ``run_as`` and runs the fused MoE (``[N, H]``)."""
+    return fused_moe_prepared(hidden, topk_ids, topk_weights, prepare_weights(w, run_as),
+                              config=config)
+
+
+def describe_config(cfg: dict[str, Any]) -> str:
+    g1, g2 = cfg["g1"], cfg["g2"]
+    return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
+            f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
+            f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
+            + (" preq" if cfg.get("a_prequant") else ""))
