@@ -1,0 +1,218 @@
+"""The generation engine: transformers' continuous batching, driven from asyncio.
+
+Concurrent requests are batched by transformers' ``ContinuousBatchingManager`` (paged KV cache,
+FIFO scheduler, chunked prefill, one background thread that runs the model); this module only
+submits requests, turns its token outputs into text deltas, and cancels requests that end early
+(a stop string, a client gone). Per-request sampling runs inside the batch through
+:class:`~moe_runtime.serve.sampling.PerRequestSampler`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import attrs
+
+from moe_runtime.serve.detokenize import IncrementalDetokenizer
+from moe_runtime.serve.loading import LoadedModel
+from moe_runtime.serve.sampling import (
+    SLOT_KWARG,
+    PerRequestSampler,
+    SamplerProcessorList,
+    SamplingParams,
+)
+
+log = logging.getLogger("moe_runtime.serve")
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (the others keep running)."""
+
+
+class EngineUnavailable(EngineError):
+    """The batching thread is not running: no request can be served."""
+
+
+@attrs.frozen
+class Delta:
+    """One step of a response: new text, and the reason it ended on the last one.
+
+    :param text: text to append (may be empty).
+    :param token_ids: all tokens generated so far.
+    :param finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_tokens) or None.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    first_token_s: float | None = None  # seconds from submission to the first token, once known
+
+
+class Engine:
+    """Serves one :class:`LoadedModel` through continuous batching.
+
+    :param max_batch_size: most requests decoded together in one forward.
+    :param max_model_len: cap on prompt + generated tokens (default: the model's context length);
+        the paged KV cache holds ``max_batch_size`` sequences of this length.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 8,
+                 max_model_len: int | None = None, block_size: int = 32) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        config = loaded.model.config
+        model_len = getattr(config, "max_position_embeddings", None) or getattr(
+            self.tokenizer, "model_max_length", None) or 2048
+        self.context_length = int(min(model_len, max_model_len) if max_model_len else model_len)
+        self.max_batch_size = max_batch_size
+        self.block_size = block_size
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = PerRequestSampler()
+        self._manager = None
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        model = self.loaded.model
+        for source in (getattr(model, "generation_config", None), model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return sorted(ids)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Create the continuous-batching manager and start its thread."""
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        if self._manager is not None:
+            return
+        logging.getLogger("ContinuousBatchingLogger").setLevel(
+            logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.ERROR)
+        # Greedy and processor-free: PerRequestSampler does every request's sampling.
+        gen = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_ids or -1,
+                               pad_token_id=self._pad_id(), max_new_tokens=self.context_length)
+        blocks_per_seq = math.ceil(self.context_length / self.block_size)
+        cb = ContinuousBatchingConfig(
+            block_size=self.block_size,
+            num_blocks=blocks_per_seq * self.max_batch_size,
+            max_batch_tokens=max(256, min(2048, self.context_length)),
+            max_requests_per_batch=self.max_batch_size,
+            allow_block_sharing=False,
+        )
+        manager = self.loaded.model.init_continuous_batching(
+            generation_config=gen, continuous_batching_config=cb)
+        manager.logit_processor = SamplerProcessorList(self.sampler)
+        manager.start()
+        self._manager = manager
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+
+    def shutdown(self) -> None:
+        if self._manager is not None:
+            self._manager.stop(block=True, timeout=10)
+            self._manager.destroy()
+            self._manager = None
+
+    @property
+    def healthy(self) -> bool:
+        m = self._manager
+        return m is not None and m.is_running() and m.fatal_error is None
+
+    # ------------------------------------------------------------------------------ prompts
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+    # ------------------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
+                       sampling: SamplingParams, stop: Sequence[str] = (),
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Stream one request's deltas; the last one has a ``finish_reason``.
+
+        Closing the iterator early (the client went away) cancels the request in the batch.
+        """
+        manager = self._manager
+        if manager is None or not self.healthy:
+            reason = getattr(manager, "fatal_error", None) if manager else "not started"
+            raise EngineUnavailable(f"the generation engine is not running ({reason})")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        slot = self.sampler.open(sampling)
+        kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
+        detok = IncrementalDetokenizer(self.tokenizer, tuple(stop))
+        submitted = time.perf_counter()
+        first_token_s = None
+        finished = False
+        manager.register_result_handler(request_id, outputs.put_nowait)
+        try:
+            added = manager.add_request(list(prompt_ids), request_id=request_id,
+                                        max_new_tokens=max_tokens, streaming=True,
+                                        eos_token_id=self.eos_token_ids or -1, **kwargs)
+            if added is None:
+                raise EngineUnavailable("the generation engine is stopping")
+            while True:
+                out = await outputs.get()
+                if out.error is not None:
+                    raise EngineError(out.error)
+                tokens = tuple(out.generated_tokens)
+                if first_token_s is None and tokens:
+                    first_token_s = time.perf_counter() - submitted
+                text = detok.step(list(tokens))
+                if detok.stopped:
+                    finished = out.is_finished()
+                    yield Delta(text, tokens, "stop", first_token_s)
+                    return
+                if out.is_finished():
+                    finished = True
+                    text += detok.finish()
+                    reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+                    yield Delta(text, tokens, reason, first_token_s)
+                    return
+                if text:
+                    yield Delta(text, tokens, None, first_token_s)
+        finally:
+            self.sampler.close(slot)
+            if not finished:
+                manager.cancel_request(request_id)
+                self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        # The manager drops a result handler only when its request finishes; a cancelled request
+        # never does, so drop it here (there is no public call for it in transformers 5.14).
+        router = getattr(self._manager, "output_router", None)
+        if router is not None:
+            with router._lock:
+                router.result_handlers.pop(request_id, None)
+
+    async def complete(self, prompt_ids: Sequence[int], *, max_tokens: int,
+                       sampling: SamplingParams, stop: Sequence[str] = (),
+                       request_id: str | None = None) -> Delta:
+        """The whole response as one :class:`Delta` (its text is the full text)."""
+        parts = []
+        last = None
+        async for delta in self.generate(prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                                         stop=stop, request_id=request_id):
+            parts.append(delta.text)
+            last = delta
+        assert last is not None
+        return attrs.evolve(last, text="".join(parts))

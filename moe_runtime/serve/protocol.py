@@ -1,0 +1,192 @@
+"""The OpenAI-compatible request bodies and error responses.
+
+Bodies are validated strictly (a string where a number belongs is an error, not a conversion);
+fields this server does not know are ignored, since clients send many. Errors use OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_SEQUENCES = 4
+
+
+class APIError(Exception):
+    """An error response: HTTP ``status`` and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # an extension (vLLM's): -1 or 0 turn it off
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # an extension: each choice also carries its token ids
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return v
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def check_supported(self) -> None:
+        """Refuse what this server accepts in the schema but does not implement."""
+        if self.n != 1:
+            raise invalid("only n=1 is supported; send several requests instead", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise invalid(f"{name} is not supported (only 0)", name)
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream=true", "stream_options")
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise invalid("echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise invalid("logprobs is not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise invalid("best_of is not supported", "best_of")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a string or token ids)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise invalid("one prompt per request is supported; send several requests "
+                              "(they are batched together)", "prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise invalid("the prompt is empty", "prompt")
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise invalid("messages must not be empty", "messages")
+        if self.tools:
+            raise invalid("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise invalid("only response_format type 'text' is supported", "response_format")
+        if self.logprobs:
+            raise invalid("logprobs is not supported", "logprobs")
+        if all(not m.text() for m in self.messages):
+            raise invalid("the messages have no content", "messages")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens)
+
+    def chat_messages(self) -> list[dict]:
+        # the "developer" role is OpenAI's newer name for "system"
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate ``body`` into ``model``; a schema error becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"] if not _is_union_branch(x)]
+        param = ".".join(loc) or None
+        if err["type"] == "missing":
+            message = f"missing required parameter: {param!r}"
+        else:
+            given = err.get("input")
+            shown = repr(given)[:80]
+            message = f"invalid value for {param!r}: {err['msg']} (got {shown})"
+        raise invalid(message, param, "invalid_type" if err["type"].endswith("_type") else
+                      "invalid_value") from None
+
+
+def _is_union_branch(loc_item) -> bool:
+    # pydantic names union members in error locations ("str", "list[int]"): not a field
+    return isinstance(loc_item, str) and (loc_item in {"str", "int", "float", "bool"}
+                                          or "[" in loc_item or loc_item.startswith("function"))

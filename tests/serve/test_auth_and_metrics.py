@@ -1,0 +1,77 @@
+"""``--api-key`` on every route but /health, and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/moe/plan"),
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/no/such/route"),
+])
+def test_every_route_but_health_needs_the_key(server, api_key, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": api_key}):
+        r = httpx.request(method, server.root + path, headers=headers, json={})
+        assert r.status_code == 401, (path, headers)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_health_needs_no_key(server):
+    assert httpx.get(server.root + "/health").status_code == 200
+
+
+def test_the_openai_client_with_a_wrong_key_is_refused(server):
+    bad = openai.OpenAI(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def _metrics(http) -> dict:
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {f.name: f for f in families}
+
+
+def _value(family, suffix="", **labels) -> float:
+    return sum(s.value for s in family.samples
+               if s.name == family.name + suffix and all(s.labels.get(k) == v
+                                                         for k, v in labels.items()))
+
+
+def test_metrics_count_requests_and_tokens(client, http, server):
+    before = _metrics(http)
+    out = client.completions.create(model=server.model, prompt="count these tokens",
+                                    max_tokens=4, temperature=0)
+    after = _metrics(http)
+    route = "/v1/completions"
+    assert _value(after["moe_runtime_requests"], "_total", route=route, status="200") == \
+        _value(before["moe_runtime_requests"], "_total", route=route, status="200") + 1
+    assert _value(after["moe_runtime_prompt_tokens"], "_total") - _value(
+        before["moe_runtime_prompt_tokens"], "_total") == out.usage.prompt_tokens
+    assert _value(after["moe_runtime_generation_tokens"], "_total") - _value(
+        before["moe_runtime_generation_tokens"], "_total") == out.usage.completion_tokens
+    latency = after["moe_runtime_request_latency_seconds"]
+    assert latency.type == "histogram"
+    assert _value(latency, "_count", route=route) >= 1
+    ttft = after["moe_runtime_time_to_first_token_seconds"]
+    assert _value(ttft, "_count", route=route) >= 1
+
+
+def test_metrics_show_each_moe_layer_backend_from_the_plan(http):
+    plan = http.get("/v1/moe/plan").json()
+    # an Info metric: the Prometheus text format writes it as a gauge named *_info, value 1
+    info = _metrics(http)["moe_runtime_moe_layer_info"]
+    assert all(s.value == 1 for s in info.samples)
+    shown = {s.labels["layer"]: s.labels for s in info.samples}
+    assert set(shown) == {lp["layer"] for lp in plan["layers"]}
+    for lp in plan["layers"]:
+        assert shown[lp["layer"]]["experts_backend"] == lp["experts"]
+        assert shown[lp["layer"]]["communication_backend"] == lp["communication"]
+        assert shown[lp["layer"]]["format"] == lp["format"]
+
+
+def test_metrics_name_the_model(http, server):
+    info = _metrics(http)["moe_runtime_model_info"]
+    assert [s.labels["model"] for s in info.samples] == [server.model]

@@ -1,0 +1,141 @@
+"""Bad requests get a 4xx with an OpenAI-style error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+
+def assert_error(response, status: int, *, code: str | None = None, param: str | None = None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    if code is not None:
+        assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def test_malformed_json_is_a_400(http):
+    r = http.post("/v1/completions", content=b'{"model": "x", "prompt": "hi"',
+                  headers={"Content-Type": "application/json"})
+    assert_error(r, 400, code="invalid_json")
+
+
+def test_a_body_that_is_not_an_object_is_a_400(http, server):
+    r = http.post("/v1/chat/completions", json=[{"model": server.model}])
+    assert_error(r, 400)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"),
+    ("max_tokens", 2.5),
+    ("temperature", "hot"),
+    ("top_p", [1]),
+    ("seed", "42"),
+    ("stream", "yes"),
+    ("stop", 7),
+    ("prompt", 12),
+    ("model", 3),
+])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(http, server, field, value):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, field: value}
+    assert_error(http.post("/v1/completions", json=body), 400, param=field)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0),
+    ("temperature", 3.0),
+    ("top_p", 0.0),
+    ("stop", ["a", "b", "c", "d", "e"]),
+])
+def test_a_value_out_of_range_is_a_400(http, server, field, value):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, field: value}
+    assert_error(http.post("/v1/completions", json=body), 400, param=field)
+
+
+def test_chat_messages_of_the_wrong_type_are_a_400(http, server):
+    body = {"model": server.model, "messages": "hello", "max_tokens": 2}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages")
+    body = {"model": server.model, "messages": [{"role": "wizard", "content": "hi"}]}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages.0.role")
+
+
+def test_unknown_fields_are_ignored(http, server):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "temperature": 0,
+            "some_vendor_field": {"nested": [1, 2]}}
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_a_missing_required_field_is_a_400(http, server):
+    assert_error(http.post("/v1/completions", json={"model": server.model}), 400,
+                 param="prompt")
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""]])
+def test_an_empty_prompt_is_a_400(http, server, prompt):
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, param="prompt")
+
+
+def test_empty_chat_messages_are_a_400(http, server):
+    body = {"model": server.model, "messages": [], "max_tokens": 2}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages")
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(http, server):
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": server.model, "prompt": [5] * (context + 10), "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, code="context_length_exceeded")
+
+
+def test_max_tokens_beyond_the_context_is_a_400(client, server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, prompt="hello", max_tokens=100_000)
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.param == "max_tokens"
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400(http, server):
+    body = {"model": server.model, "prompt": [1, 2, 10**9], "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, param="prompt")
+
+
+def test_a_wrong_model_name_is_a_404(client, http):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "model_not_found"
+    assert_error(http.get("/v1/models/gpt-4"), 404, code="model_not_found")
+
+
+def test_an_oversized_body_is_a_413(http, server):
+    body = json.dumps({"model": server.model, "prompt": "x" * (2 << 20), "max_tokens": 2})
+    r = http.post("/v1/completions", content=body.encode(),
+                  headers={"Content-Type": "application/json"})
+    assert_error(r, 413)
+
+
+def test_unknown_routes_and_methods_get_error_bodies(http):
+    assert_error(http.get("/v1/nothing-here"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_unsupported_options_are_refused_not_ignored(http, server):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "n": 2}
+    assert_error(http.post("/v1/completions", json=body), 400, param="n")
+
+
+def test_the_server_keeps_serving_after_bad_requests(client, http, server):
+    http.post("/v1/completions", content=b"not json at all")
+    http.post("/v1/chat/completions", json={"model": server.model, "messages": 5})
+    out = client.completions.create(model=server.model, prompt="still here?", max_tokens=3,
+                                    temperature=0)
+    assert out.usage.completion_tokens > 0
