@@ -6,6 +6,7 @@ into a folder that a test puts on ``sys.path`` or ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -47,3 +48,14 @@ def pip_install_target(srcs: list[Path], target: Path) -> None:
     )
     if r.returncode != 0:
         raise RuntimeError(f"pip install --target failed:\n{r.stdout}\n{r.stderr}")
+
+
+def run_cli(*args: str, site: Path | None = None, env: dict | None = None):
+    """Run ``python -m moe_runtime.cli ARGS`` with ``site`` on PYTHONPATH."""
+    environ = dict(os.environ)
+    environ.pop("MOE_RUNTIME_BLOCK_PLUGINS", None)
+    if site is not None:
+        environ["PYTHONPATH"] = str(site) + os.pathsep + environ.get("PYTHONPATH", "")
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-m", "moe_runtime.cli", *args], env=environ,
+                          capture_output=True, text=True, timeout=120)

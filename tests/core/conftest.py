@@ -79,13 +79,3 @@ def with_site(monkeypatch):
         importlib.invalidate_caches()
 
     return add
-
-
-def run_cli(*args: str, site: Path | None = None, env: dict | None = None):
-    environ = dict(os.environ)
-    environ.pop("MOE_RUNTIME_BLOCK_PLUGINS", None)
-    if site is not None:
-        environ["PYTHONPATH"] = str(site) + os.pathsep + environ.get("PYTHONPATH", "")
-    environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "moe_runtime.cli", *args], env=environ,
-                          capture_output=True, text=True, timeout=120)

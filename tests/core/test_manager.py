@@ -9,10 +9,10 @@ import types
 
 import pluggy
 import pytest
-from conftest import run_cli
 
 from moe_runtime import hookimpl
 from moe_runtime.manager import PluginError, Registry, RegistryError, get_plugin_manager
+from moe_runtime.testing.dists import run_cli
 
 
 def _infos(pm):
