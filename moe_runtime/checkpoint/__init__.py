@@ -14,8 +14,8 @@ from moe_runtime.checkpoint.reader import read_checkpoint
 from moe_runtime.checkpoint.records import (
     CheckpointError,
     CheckpointInfo,
-    MoELayerInfo,
     ModuleQuant,
+    MoELayerInfo,
     RouterSpec,
 )
 from moe_runtime.checkpoint.resolution import canonical_name, resolve_module

@@ -80,7 +80,8 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise CheckpointError(f"{self.file}: {self._key(key)} is {value!r}; expected true/false")
+            raise CheckpointError(
+                f"{self.file}: {self._key(key)} is {value!r}; expected true or false")
         return value
 
     def int_list(self, key: str) -> list[int]:
@@ -100,7 +101,7 @@ class _Fields:
 
 
 def _sparse_step_layers(f: _Fields, num_experts: int) -> list[int]:
-    """Qwen2/Qwen3-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in mlp_only_layers."""
+    """Qwen2/3-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in mlp_only_layers."""
     step = f.int("decoder_sparse_step", default=1, minimum=1)
     dense = set(f.int_list("mlp_only_layers"))
     n = f.int("num_hidden_layers", minimum=1)

@@ -50,7 +50,7 @@ def _accepted(include_mixed: bool) -> str:
 
 
 def load_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; a missing file, bad JSON or a non-object is a CheckpointError."""
+    """The JSON object in ``path``; a missing file, bad JSON or a non-object: CheckpointError."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -236,13 +236,15 @@ def _from_hf_quant_config(data: dict[str, Any], file: str) -> dict[str, Any]:
             "{'producer': {...}, 'quantization': {'quant_algo': ...}})"
         )
     return {
-        "quant_algo": _algo(q.get("quant_algo"), file=file, key="quant_algo", top_level=True),
-        "moe_quant_algo": _algo(q.get("moe_quant_algo"), file=file, key="moe_quant_algo",
-                                top_level=False),
+        "quant_algo": _algo(q.get("quant_algo"), file=file, key="quantization.quant_algo",
+                            top_level=True),
+        "moe_quant_algo": _algo(q.get("moe_quant_algo"), file=file,
+                                key="quantization.moe_quant_algo", top_level=False),
         "kv_cache_quant_algo": _kv_algo(q.get("kv_cache_quant_algo"), file=file,
-                                        key="kv_cache_quant_algo"),
-        "group_size": _int(q.get("group_size"), file=file, key="group_size"),
-        "exclude_modules": _globs(q.get("exclude_modules"), file=file, key="exclude_modules"),
+                                        key="quantization.kv_cache_quant_algo"),
+        "group_size": _int(q.get("group_size"), file=file, key="quantization.group_size"),
+        "exclude_modules": _globs(q.get("exclude_modules"), file=file,
+                                  key="quantization.exclude_modules"),
         "quantized_layers": _layers(q.get("quantized_layers"), file=file),
         "producer": _producer(data.get("producer")),
     }
@@ -261,7 +263,7 @@ def _group_size_of_config_groups(qc: dict[str, Any]) -> int | None:
 
 
 def _from_config_json(qc: dict[str, Any], file: str, *, modelopt: bool) -> dict[str, Any]:
-    """The settings a config.json ``quantization_config`` states (foreign: only what ModelOpt adds)."""
+    """What config.json's ``quantization_config`` states (a foreign one: only ModelOpt's keys)."""
     kv = qc.get("kv_cache_quant_algo", qc.get("kv_cache_scheme"))
     out = {
         "moe_quant_algo": _algo(qc.get("moe_quant_algo"), file=file,

@@ -17,8 +17,8 @@ from moe_runtime.checkpoint.quant_config import (
 from moe_runtime.checkpoint.records import (
     CheckpointError,
     CheckpointInfo,
-    MoELayerInfo,
     ModuleQuant,
+    MoELayerInfo,
 )
 from moe_runtime.checkpoint.resolution import canonical_name, resolve_module
 from moe_runtime.checkpoint.tensor_index import TensorMeta, read_tensor_index
@@ -52,7 +52,7 @@ def method_name(spec: QuantizationSpec) -> str:
 
 
 def _tensor_prefix(arch: Architecture, layer: MoEStructure, tensors: dict[str, TensorMeta]) -> str:
-    """The decoder-layer prefix the tensors really use (``model.``, ``model.language_model.``...)."""
+    """The decoder-layer prefix the tensors use (``model.``, ``model.language_model.``...)."""
     marker = re.compile(rf"^(.*?)layers\.{layer.index}\.{re.escape(arch.block)}\.experts\.")
     for name in tensors:
         match = marker.match(name)

@@ -14,7 +14,7 @@ import attrs
 
 
 class CheckpointError(ValueError):
-    """A checkpoint folder cannot be read; the message names the file, the key and what is accepted."""
+    """A checkpoint cannot be read; the message names the file, the key and what is accepted."""
 
 
 def _tuple(value) -> tuple:
@@ -29,8 +29,8 @@ class ModuleQuant:
     :param group_size: elements per block scale (16 for NVFP4), ``None`` for per-tensor formats.
     :param source: how the format was found, for people: ``"exact key 'x'"``,
         ``"container key 'model.layers.0.mlp.experts'"``, ``"per-expert keys (24 agree)"``,
-        ``"exclude_modules glob 'lm_head'"``, ``"moe_quant_algo 'NVFP4'"``, ``"checkpoint default"``,
-        ``"unquantized"``.
+        ``"exclude_modules glob 'lm_head'"``, ``"moe_quant_algo 'NVFP4'"``,
+        ``"checkpoint default"``, ``"unquantized"``.
     """
 
     format: str

@@ -92,7 +92,7 @@ def _excluded_by(spec: QuantizationSpec, name: str) -> str | None:
     canonical = [canonical_name(c) for c in candidates]
     for pattern in spec.exclude_modules:
         bare = canonical_name(pattern)
-        for raw, canon in zip(candidates, canonical):
+        for raw, canon in zip(candidates, canonical, strict=True):
             if fnmatch.fnmatchcase(raw, pattern) or fnmatch.fnmatchcase(canon, bare):
                 return pattern
     return None
@@ -107,10 +107,6 @@ def _default(spec: QuantizationSpec, *, moe: bool) -> ModuleQuant:
         return spec.module_quant(spec.default_algo, spec.group_size, setting="quant_algo",
                                  key="quant_algo", source="checkpoint default")
     return spec.unquantized("unquantized")
-
-
-def _describe(quant: ModuleQuant) -> str:
-    return quant.format if quant.group_size is None else f"{quant.format} (group {quant.group_size})"
 
 
 def resolve_module(

@@ -36,7 +36,7 @@ def _header(path: Path) -> dict:
                 raise CheckpointError(f"{path}: too short to be a safetensors file")
             (size,) = struct.unpack("<Q", raw)
             if size > _MAX_HEADER:
-                raise CheckpointError(f"{path}: safetensors header of {size} bytes is not plausible")
+                raise CheckpointError(f"{path}: a {size}-byte safetensors header is implausible")
             header = json.loads(fh.read(size))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from exc
