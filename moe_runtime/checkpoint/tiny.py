@@ -4,7 +4,8 @@
 deterministic by seed), calibrates ModelOpt's quantizers on a few random token batches and writes
 the folder with ModelOpt's own exporter (``modelopt.torch.export.export_hf_checkpoint``), so tests
 read exactly what ModelOpt 0.47 produces. Same arguments, same bytes: the safetensors files are
-byte-identical from run to run (the global torch RNG is left untouched).
+byte-identical from run to run (one intra-op thread while making; the global torch RNG and thread
+count are left as they were).
 
 Calibration uses ModelOpt's ``max`` algorithm, which only collects amax statistics: quantizers are
 switched to calibration mode during the forward loop, so the NVFP4 fake-quant forward (which asserts
@@ -165,6 +166,18 @@ def _entry_cfg(preset: dict, name: str) -> dict:
 
 
 @contextlib.contextmanager
+def _one_thread(torch):
+    """One intra-op thread: the same float results on every machine, and on a busy CPU tiny ops
+    run many times faster than with spinning worker threads. Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def _quiet_transformers():
     """No progress bars or deprecation notices from transformers while saving; restored after."""
     from transformers.utils import logging
@@ -236,7 +249,8 @@ def make_tiny_checkpoint(
         raise ValueError(f"fp8_moe_layers {unknown} are not MoE layers (MoE layers: {moe_layers})")
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
 
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), _quiet_transformers():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), _quiet_transformers(), \
+            _one_thread(torch):
         warnings.simplefilter("ignore")
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
