@@ -11,8 +11,11 @@ E4M3_MAX = 448.0
 
 
 def fp8_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
-    """ModelOpt's FP8 ``weight_scale`` / ``input_scale``: ``amax / 448`` in float32."""
-    return torch.as_tensor(amax).to(torch.float32) / E4M3_MAX
+    """ModelOpt's FP8 ``weight_scale`` / ``input_scale``: ``amax / 448`` in float32, correctly
+    rounded on every device (ModelOpt divides in Python floats; torch on CUDA would multiply by a
+    rounded reciprocal if the divisor were a Python number)."""
+    amax = torch.as_tensor(amax).to(torch.float32)
+    return amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device)
 
 
 def _scale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -40,7 +43,9 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | float) -> tor
 
 
 def dequantize_fp8(
-    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32,
+    q: torch.Tensor,
+    scale: torch.Tensor | float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``float(q) * scale``, rounded once into ``dtype`` (``scale`` broadcastable to ``q``)."""
     work = torch.float32 if dtype == torch.float32 else torch.float64  # exact product, one rounding
@@ -48,7 +53,9 @@ def dequantize_fp8(
 
 
 def fake_quantize_fp8(
-    x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype | None = None,
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Quantize ``x`` to e4m3 with ``scale`` in float32 (as FP8 GEMM kernels quantize activations)
     and dequantize, returned in ``dtype`` (default ``x.dtype``)."""

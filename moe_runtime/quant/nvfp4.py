@@ -1,15 +1,15 @@
 """NVFP4: packed E2M1 values with float8_e4m3fn scales over blocks of 16 and a float32 global scale.
 
 A value is ``e2m1(code) * block_scale * global_scale``. Quantization follows ModelOpt 0.47's export
-arithmetic step by step, so the bytes and scales it produces are the ones a ModelOpt checkpoint holds:
+arithmetic step by step, so the bytes and scales it produces are those of a ModelOpt checkpoint:
 
 1. ``global_scale = amax / (6 * 448)`` (float32), see :func:`nvfp4_global_scale`;
 2. ``block_scale = block_amax / (6 * global_scale)`` in float32 (the product ``6 * global_scale`` is
    rounded first); a block whose amax is 0 gets 1.0; the result is clamped to ``[2**-9, 448]`` and
    cast to e4m3 (round to nearest even);
 3. ``x / (float(block_scale) * global_scale)`` (the product rounded to float32 first) is rounded to
-   the nearest E2M1 magnitude, ties to the even code, saturating at 6; the sign bit is ``x < 0``, so a
-   small negative value that rounds to 0 keeps code 8 (-0), and ``-0.0`` itself gets code 0;
+   the nearest E2M1 magnitude, ties to the even code, saturating at 6; the sign bit is ``x < 0``,
+   so a small negative value that rounds to 0 keeps code 8 (-0), and ``-0.0`` itself gets code 0;
 4. two codes per byte, the even column in the low nibble.
 """
 
@@ -24,10 +24,8 @@ E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
 
 # Code -> value, indexed by the 4-bit code (bit 3 = sign).
-E2M1_VALUES: tuple[float, ...] = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)
+_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES: tuple[float, ...] = _MAGNITUDES + tuple(-m for m in _MAGNITUDES)  # 8 is -0.0
 
 # Midpoints between consecutive E2M1 magnitudes; magnitude code i+1 starts above _MIDPOINTS[i].
 _MIDPOINTS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -44,7 +42,7 @@ def e2m1_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes ``[..., K]`` (values 0..15) into uint8 ``[..., K/2]``; even column in the low nibble."""
+    """Pack codes ``[..., K]`` (0..15) into uint8 ``[..., K/2]``; even column in the low nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of E2M1 codes (last dim {codes.shape[-1]})")
     codes = codes.to(torch.uint8)
@@ -58,7 +56,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_e2m1(scaled: torch.Tensor) -> torch.Tensor:
-    """Codes (uint8, 0..15) of the E2M1 values nearest to ``scaled`` (already divided by its scales).
+    """Codes (uint8, 0..15) of the E2M1 values nearest to ``scaled`` (already divided by scales).
 
     Ties go to the even code (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
     3.5 -> 4.0, 5.0 -> 4.0); magnitudes above 6 saturate to 6; NaN maps to code 7 (as in ModelOpt).
@@ -75,8 +73,14 @@ def round_to_e2m1(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
-    """ModelOpt's ``weight_scale_2`` / NVFP4 ``input_scale``: ``amax / (6 * 448)`` in float32."""
-    return torch.as_tensor(amax).to(torch.float32) / (E2M1_MAX * E4M3_MAX)
+    """ModelOpt's ``weight_scale_2`` / NVFP4 ``input_scale``: ``amax / (6 * 448)`` in float32.
+
+    The quotient is correctly rounded on every device (ModelOpt's CPU result). On CUDA, torch turns
+    a division by a Python number into a multiplication by its reciprocal, which can be one ulp
+    off; ModelOpt exporting on a GPU inherits that, this function does not.
+    """
+    amax = torch.as_tensor(amax).to(torch.float32)
+    return amax / torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
 
 
 def _global_scale_tensor(global_scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -111,11 +115,12 @@ def _block_scales(x: torch.Tensor, blocks: int, gs: torch.Tensor) -> torch.Tenso
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor | float,
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., K]`` (K a multiple of 16) to NVFP4 exactly as ModelOpt exports it.
 
-    :param x: any floating tensor; arithmetic runs in float32 (float64 stays float64, as in ModelOpt).
+    :param x: any floating tensor; arithmetic runs in float32 (float64 stays float64, as ModelOpt).
     :param global_scale: positive float32 scalar, or a tensor broadcastable to ``[..., K/16]``
         (per-expert weights ``[E, R, K]`` take ``[E, 1, 1]``).
     :returns: ``(packed uint8 [..., K/2], block_scale float8_e4m3fn [..., K/16])``.
@@ -131,9 +136,9 @@ def quantize_nvfp4(
 
 
 def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
-    # e2m1 (2 significant bits) * e4m3 (4 bits) * float32 (24 bits) fits float64 exactly, so computing
-    # there and casting once gives the correctly rounded value in any dtype; in float32 the first
-    # product is exact and the second is the single rounding, so float32 needs no detour.
+    # e2m1 (2 significant bits) * e4m3 (4 bits) * float32 (24 bits) fits float64 exactly, so
+    # computing there and casting once gives the correctly rounded value in any dtype; in float32
+    # the first product is exact and the second is the single rounding, so it needs no detour.
     return torch.float32 if dtype == torch.float32 else torch.float64
 
 
@@ -164,16 +169,18 @@ def dequantize_nvfp4(
 
 
 def fake_quantize_nvfp4_activation(
-    x: torch.Tensor, input_scale: torch.Tensor | float, dtype: torch.dtype | None = None,
+    x: torch.Tensor,
+    input_scale: torch.Tensor | float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Quantize activations ``x [..., K]`` to NVFP4 with the layer's ``input_scale`` as global scale
     and dequantize them again (what a W4A4 GEMM sees), returned in ``dtype`` (default ``x.dtype``).
 
     Blocks whose amax exceeds ``6 * 448 * input_scale`` saturate, as in the kernels. This is the
     export arithmetic above. ModelOpt's CUDA-only calibration kernel differs for blocks whose
-    effective scale ``block_scale * input_scale`` falls below 1e-5 (it quantizes them with scale 1.0,
-    which zeroes them; this keeps the clamped e4m3 scale), and FlashInfer's quantizer multiplies by
-    reciprocals, which can move a value sitting on a rounding midpoint by one code.
+    effective scale ``block_scale * input_scale`` falls below 1e-5 (it quantizes them with scale
+    1.0, which zeroes them; this keeps the clamped e4m3 scale), and FlashInfer's quantizer
+    multiplies by reciprocals, which can move a value sitting on a rounding midpoint by one code.
     """
     packed, block_scale = quantize_nvfp4(x, input_scale)
     return dequantize_nvfp4(packed, block_scale, input_scale, dtype or x.dtype)

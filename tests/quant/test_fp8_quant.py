@@ -36,8 +36,10 @@ def test_weights_match_modelopt_export(to_quantized_weight, dtype):
     w = (torch.randn(128, 256, generator=g) * 0.02).to(dtype)
     scale = modelopt_weight_scale(w)
     expected = to_quantized_weight(w, scale, "fp8")
-    assert torch.equal(quantize_fp8_per_tensor(w, fp8_scale_from_amax(w.abs().amax())).view(torch.uint8),
-                       expected.view(torch.uint8))
+    assert torch.equal(
+        quantize_fp8_per_tensor(w, fp8_scale_from_amax(w.abs().amax())).view(torch.uint8),
+        expected.view(torch.uint8),
+    )
 
 
 def test_bf16_quotient_is_rounded_to_bf16_first(to_quantized_weight):
@@ -59,11 +61,16 @@ def test_out_of_range_values_saturate():
 
 def test_per_expert_scales_broadcast_like_separate_tensors():
     g = torch.Generator().manual_seed(23)
-    w = torch.randn(3, 8, 32, generator=g).bfloat16() * torch.tensor([0.01, 1.0, 50.0]).view(3, 1, 1).bfloat16()
+    w = (
+        torch.randn(3, 8, 32, generator=g).bfloat16()
+        * torch.tensor([0.01, 1.0, 50.0]).view(3, 1, 1).bfloat16()
+    )
     scales = fp8_scale_from_amax(w.abs().amax(dim=(1, 2)))
     stacked = quantize_fp8_per_tensor(w, scales.view(3, 1, 1))
     for e in range(3):
-        assert torch.equal(stacked[e].view(torch.uint8), quantize_fp8_per_tensor(w[e], scales[e]).view(torch.uint8))
+        assert torch.equal(
+            stacked[e].view(torch.uint8), quantize_fp8_per_tensor(w[e], scales[e]).view(torch.uint8)
+        )
 
 
 def test_dequantize_is_code_times_scale():
@@ -71,7 +78,9 @@ def test_dequantize_is_code_times_scale():
     codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # drop the two NaNs
     s = torch.tensor(0.0123)
     assert torch.equal(dequantize_fp8(codes, s), codes.float() * s)
-    assert torch.equal(dequantize_fp8(codes, s, torch.bfloat16), (codes.double() * s.double()).bfloat16())
+    assert torch.equal(
+        dequantize_fp8(codes, s, torch.bfloat16), (codes.double() * s.double()).bfloat16()
+    )
 
 
 def test_every_e4m3_value_round_trips():
@@ -81,7 +90,10 @@ def test_every_e4m3_value_round_trips():
     x = dequantize_fp8(codes.view(torch.float8_e4m3fn), s)
     back = quantize_fp8_per_tensor(x, s).view(torch.uint8)
     zero = codes == 0x80  # -0.0 comes back as +0.0 or -0.0 alike; compare values there
-    assert torch.equal(back[~zero], codes[~zero]) and back[zero].view(torch.float8_e4m3fn).float().item() == 0
+    assert (
+        torch.equal(back[~zero], codes[~zero])
+        and back[zero].view(torch.float8_e4m3fn).float().item() == 0
+    )
 
 
 def test_fake_quantize_divides_in_float32():

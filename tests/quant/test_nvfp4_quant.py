@@ -18,7 +18,7 @@ from moe_runtime.quant import (
     unpack_e2m1,
 )
 
-DESIGN_TABLE = [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
+DESIGN_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def assert_same_as_modelopt(nvfp4_cls, x, global_scale):
 
 
 def block_of(values, scale_unit):
-    """A [1, 16] row holding ``values * scale_unit`` padded with the block's amax, 6 * scale_unit."""
+    """A [1, 16] row of ``values * scale_unit`` padded with the block's amax, 6 * scale_unit."""
     row = list(values) + [6.0] * (16 - len(values))
     return torch.tensor([row], dtype=torch.float32) * scale_unit
 
@@ -56,7 +56,9 @@ def test_code_table_is_the_design_table():
 
 
 def test_code_table_matches_modelopt(modelopt_nvfp4):
-    assert e2m1_to_float(torch.arange(16)).tolist() == modelopt_nvfp4.get_e2m1_values("cpu").tolist()
+    assert (
+        e2m1_to_float(torch.arange(16)).tolist() == modelopt_nvfp4.get_e2m1_values("cpu").tolist()
+    )
 
 
 def test_pack_puts_even_column_in_low_nibble():
@@ -64,7 +66,9 @@ def test_pack_puts_even_column_in_low_nibble():
 
 
 def test_unpack_inverts_pack():
-    codes = torch.randint(0, 16, (3, 5, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    codes = torch.randint(
+        0, 16, (3, 5, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
     assert torch.equal(unpack_e2m1(pack_e2m1(codes)), codes)
 
 
@@ -80,7 +84,9 @@ def test_global_scale_matches_modelopt(modelopt_nvfp4):
     g = torch.Generator().manual_seed(2)
     for _ in range(20):
         x = torch.randn(8, 64, generator=g) * torch.rand((), generator=g) * 100
-        assert torch.equal(nvfp4_global_scale(x.abs().amax()), modelopt_nvfp4.get_weights_scaling_factor_2(x))
+        assert torch.equal(
+            nvfp4_global_scale(x.abs().amax()), modelopt_nvfp4.get_weights_scaling_factor_2(x)
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -101,7 +107,9 @@ def test_block_scales_match_modelopt(modelopt_nvfp4):
 def test_per_expert_global_scales_match_modelopt_stacked_export(modelopt_nvfp4):
     quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils")
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(3, 32, 64, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)).bfloat16()
+    w = (
+        torch.randn(3, 32, 64, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)
+    ).bfloat16()
     gs = nvfp4_global_scale(w.abs().amax(dim=(1, 2)))
     block_scale = nvfp4_block_scales(w, gs.view(3, 1, 1))
     mo_packed = quant_utils.to_quantized_weight(w, block_scale, "nvfp4", gs, 16)
@@ -138,7 +146,10 @@ def _neighbours(t: torch.Tensor, steps: int) -> torch.Tensor:
     """``t`` and its float32 neighbours up to ``steps`` ulps either side, stacked on dim 0."""
     out, up, down = [t], t, t
     for _ in range(steps):
-        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(0.0))
+        up, down = (
+            torch.nextafter(up, torch.tensor(float("inf"))),
+            torch.nextafter(down, torch.tensor(0.0)),
+        )
         out += [up, down]
     return torch.stack(out)
 
@@ -150,7 +161,11 @@ def test_block_scale_rounding_follows_modelopt_operation_order(modelopt_nvfp4):
     e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     amax = _neighbours((e4m3[:-1] + e4m3[1:]) / 2 * 6 * gs, 5).flatten()
     other_order = (amax / 6.0 / gs).to(torch.float8_e4m3fn).float()
-    assert bool((nvfp4_block_scales(amax.view(-1, 1).expand(-1, 16), gs).float().flatten() != other_order).any())
+    assert bool(
+        (
+            nvfp4_block_scales(amax.view(-1, 1).expand(-1, 16), gs).float().flatten() != other_order
+        ).any()
+    )
     x = torch.zeros(amax.numel(), 16)
     x[:, 0] = amax
     assert_same_as_modelopt(modelopt_nvfp4, x, gs)
@@ -175,7 +190,9 @@ def test_quotients_exactly_on_midpoints_match_modelopt(modelopt_nvfp4):
     assert_same_as_modelopt(modelopt_nvfp4, x, gs)
     codes = unpack_e2m1(quantize_nvfp4(x, gs)[0])
     assert bool((codes[:, 1:8] == torch.tensor([0, 2, 2, 4, 4, 6, 6], dtype=torch.uint8)).all())
-    assert bool((codes[:, 8:15] == torch.tensor([8, 10, 10, 12, 12, 14, 14], dtype=torch.uint8)).all())
+    assert bool(
+        (codes[:, 8:15] == torch.tensor([8, 10, 10, 12, 12, 14, 14], dtype=torch.uint8)).all()
+    )
 
 
 # ---- rounding rules, stated directly ------------------------------------------------------------
@@ -258,7 +275,10 @@ def test_dequantize_agrees_with_modelopt_to_one_float32_ulp(modelopt_nvfp4):
     gs = nvfp4_global_scale(x.abs().amax())
     packed, block_scale = quantize_nvfp4(x, gs)
     mo = modelopt_nvfp4(x.shape, torch.float32, packed).dequantize(
-        torch.float32, scale=block_scale, double_scale=gs, block_sizes={-1: 16},
+        torch.float32,
+        scale=block_scale,
+        double_scale=gs,
+        block_sizes={-1: 16},
     )
     ours = dequantize_nvfp4(packed, block_scale, gs)
     assert torch.allclose(ours, mo, rtol=2.0**-23, atol=0)
