@@ -124,6 +124,37 @@ def test_kv_cache_only_in_hf_quant_config_is_read():
     assert (info.quant_algo, info.kv_cache_quant_algo) == ("FP8", "FP8")
 
 
+# ------------------------------------------------------------ which file says what
+
+def test_hf_quant_config_alone_is_read(data_copy):
+    folder = data_copy("kv_cache_only_in_hf_quant_config")
+    edit(folder, "config.json", lambda d: d.pop("quantization_config"))
+    info = read_checkpoint(folder)
+    assert (info.method, info.kv_cache_quant_algo) == ("modelopt_fp8", "FP8")
+
+
+def test_config_json_quantization_config_alone_is_read(data_copy):
+    folder = data_copy("kv_cache_only_in_hf_quant_config")
+    (folder / "hf_quant_config.json").unlink()
+    info = read_checkpoint(folder)
+    assert (info.method, info.kv_cache_quant_algo) == ("modelopt_fp8", None)
+    assert info.moe_layers[0].quant.format == formats.FP8_W8A8
+
+
+def test_a_modelopt_block_in_config_json_wins_over_hf_quant_config(data_copy):
+    folder = data_copy("kv_cache_only_in_hf_quant_config")
+    edit(folder, "hf_quant_config.json",
+         lambda d: d["quantization"].update(exclude_modules=["lm_head", "*.experts*"]))
+    assert read_checkpoint(folder).moe_layers[0].quant.format == formats.FP8_W8A8
+
+
+def test_a_foreign_config_json_block_adds_only_moe_and_kv_settings(data_copy):
+    folder = data_copy("mixed_shape1_moe_quant_algo")
+    edit(folder, "config.json",
+         lambda d: d["quantization_config"].update(exclude_modules=["*.experts*"]))
+    assert read_checkpoint(folder).layer(4).quant.format == formats.NVFP4_W4A4
+
+
 # --------------------------------------------------------------------------------------- errors
 
 
