@@ -85,18 +85,27 @@ class _Server:
     # -------------------------------------------------------------------------- generation
 
     async def _body(self, request: Request):
-        body = await request.body()
-        if len(body) > self.max_request_bytes:
-            raise APIError(413, f"the request body is {len(body)} bytes; at most "
-                                f"{self.max_request_bytes} are accepted", code="request_too_large")
+        limit = self.max_request_bytes
+        too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                             code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        body = b"".join(chunks)
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise invalid(f"the request body is not valid JSON: {exc}",
                           code="invalid_json") from None
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
@@ -160,6 +169,9 @@ class _Server:
 
     async def _respond(self, request: Request, route: str, req, prompt_ids: list[int],
                        max_tokens: int, *, chat: bool) -> Response:
+        if not self.engine.healthy:
+            raise APIError(503, "the generation engine is not running", type="server_error",
+                           code="engine_unavailable")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         request.state.moe_request = {"id": rid, "prompt_tokens": len(prompt_ids)}

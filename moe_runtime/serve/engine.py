@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -108,6 +109,10 @@ class Engine:
             max_batch_tokens=max(256, min(2048, self.context_length)),
             max_requests_per_batch=self.max_batch_size,
             allow_block_sharing=False,
+            # PerRequestSampler runs Python per step: no CUDA graph may capture it, and a
+            # synchronous loop keeps each request's generator draws in step order.
+            use_cuda_graph=False,
+            use_async_batching=False,
         )
         manager = self.loaded.model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb)
@@ -198,11 +203,19 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         # The manager drops a result handler only when its request finishes; a cancelled request
-        # never does, so drop it here (there is no public call for it in transformers 5.14).
+        # never does, so drop it here (transformers 5.14 has no public call for it). An output
+        # already in flight for it then lands in the manager's shared queue, which this engine
+        # never reads: empty it, so cancelled requests leave nothing behind.
         router = getattr(self._manager, "output_router", None)
-        if router is not None:
-            with router._lock:
-                router.result_handlers.pop(request_id, None)
+        if router is None:
+            return
+        with router._lock:
+            router.result_handlers.pop(request_id, None)
+        while True:
+            try:
+                router.output_queue.get_nowait()
+            except queue.Empty:
+                break
 
     async def complete(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),

@@ -38,13 +38,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    model: str | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # an extension (vLLM's): -1 or 0 turn it off
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1)

@@ -12,6 +12,7 @@ request's tokens then depend on its own logits and seed only, whichever requests
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
     ContinuousBatchingLogitsProcessorList,
 )
+
+log = logging.getLogger("moe_runtime.serve")
 
 SLOT_KWARG = "moe_runtime_sampling_slot"
 GREEDY = -1
@@ -120,7 +123,12 @@ class PerRequestSampler(ContinuousBatchingLogitsProcessor):
         for i, slot in enumerate(slots):
             if slot is None:
                 continue
-            token = slot.sample(scores[i])
+            try:
+                token = slot.sample(scores[i])
+            except RuntimeError:
+                # e.g. non-finite logits; an exception here would stop the whole batching thread
+                log.exception("sampling failed; this step of the request is greedy")
+                continue
             scores[i].fill_(float("-inf"))
             scores[i, token] = 0.0
         return scores

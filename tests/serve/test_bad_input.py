@@ -74,6 +74,16 @@ def test_unknown_fields_are_ignored(http, server):
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
+def test_an_omitted_model_means_the_served_one(http):
+    r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_seed_out_of_range_is_a_400(http, server):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "seed": 2**70}
+    assert_error(http.post("/v1/completions", json=body), 400, param="seed")
+
+
 def test_a_missing_required_field_is_a_400(http, server):
     assert_error(http.post("/v1/completions", json={"model": server.model}), 400,
                  param="prompt")

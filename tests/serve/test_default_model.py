@@ -52,11 +52,25 @@ def test_it_is_a_moe_checkpoint_with_a_chat_tokenizer(made):
         (out / "generation_config.json").read_text())["eos_token_id"]
 
 
+def test_it_is_a_modelopt_mixed_precision_export(made):
+    out, _ = made
+    quant = json.loads((out / "hf_quant_config.json").read_text())
+    assert quant["producer"]["name"] == "modelopt"
+    assert quant["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    layers = quant["quantization"]["quantized_layers"]
+    algos = {name: entry["quant_algo"] for name, entry in layers.items()}
+    assert {a for n, a in algos.items() if n.endswith(".mlp.experts")} == {"NVFP4"}
+    assert {a for n, a in algos.items() if ".self_attn." in n} == {"FP8"}
+    config = AutoConfig.from_pretrained(out)
+    attention = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(config.num_hidden_layers)
+                 for p in "qkvo"}
+    assert len(attention - set(algos)) == 1  # one module left unquantized
+
+
 def test_the_cache_is_made_once_under_xdg_cache_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = default_model.ensure_default_model(progress=False)
-    assert first == tmp_path / "moe-runtime" / "default-model" / \
-        default_model.default_model_version()
+    assert first == tmp_path / "moe-runtime" / "default-model" / default_model.RECIPE
     stamp = (first / "config.json").stat().st_mtime_ns
     assert default_model.ensure_default_model(progress=False) == first
     assert (first / "config.json").stat().st_mtime_ns == stamp
