@@ -149,12 +149,21 @@ def _resolve_members(spec: QuantizationSpec, name: str, below: list[LayerEntry],
     index = _index(spec)
     found: dict[tuple[str, int | None], list[str]] = {}
     keys_used: set[str] = set()
+    quants: dict[tuple[str | None, int | None], ModuleQuant] = {}
+
+    def quant_of(entry: LayerEntry) -> ModuleQuant:
+        key = (entry.quant_algo, entry.group_size)
+        if key not in quants:
+            quants[key] = _from_entry(spec, entry, "")
+        return quants[key]
+
     if members:
+        stop = canonical_name(name)
         for member in members:
             full = canonical_name(f"{name}.{member}")
-            entry = index.exact.get(full) or _container_below(index, full, canonical_name(name))
+            entry = index.exact.get(full) or _container_below(index, full, stop)
             if entry is not None:
-                quant = _from_entry(spec, entry, "")
+                quant = quant_of(entry)
                 keys_used.add(entry.key)
                 label = entry.key
             else:
@@ -165,7 +174,7 @@ def _resolve_members(spec: QuantizationSpec, name: str, below: list[LayerEntry],
             found.setdefault((quant.format, quant.group_size), []).append(label)
     else:
         for entry in below:
-            quant = _from_entry(spec, entry, "")
+            quant = quant_of(entry)
             keys_used.add(entry.key)
             found.setdefault((quant.format, quant.group_size), []).append(entry.key)
 

@@ -123,6 +123,14 @@ def test_gate_and_up_of_an_expert_share_weight_scale_2(qwen3_nvfp4):
         assert torch.equal(gate, up)
 
 
+def test_fp8_gate_and_up_of_an_expert_share_weight_scale(qwen3_fp8):
+    t = tensors(qwen3_fp8)
+    for e in range(E):
+        base = f"model.layers.1.mlp.experts.{e}"
+        gate, up = t[f"{base}.gate_proj.weight_scale"], t[f"{base}.up_proj.weight_scale"]
+        assert torch.equal(gate, up)
+
+
 def test_input_scale_is_shared_per_projection_by_the_experts_of_a_layer(qwen3_nvfp4):
     t = tensors(qwen3_nvfp4)
     for proj in ("gate_proj", "up_proj", "down_proj"):
