@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 from moe_runtime import formats
-from moe_runtime.checkpoint.records import CheckpointError
+from moe_runtime.checkpoint.records import CheckpointError, ModuleQuant
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 CONFIG = "config.json"
@@ -110,10 +110,8 @@ class QuantizationSpec:
         """The single algorithm of a non-mixed checkpoint, else ``None``."""
         return None if self.quant_algo == MIXED_PRECISION else self.quant_algo
 
-    def unquantized(self, source: str):
+    def unquantized(self, source: str) -> ModuleQuant:
         """A ModuleQuant for an unquantized module of this checkpoint's dtype."""
-        from moe_runtime.checkpoint.records import ModuleQuant
-
         fmt = _UNQUANTIZED_DTYPES.get(str(self.dtype or "bfloat16").replace("torch.", ""))
         if fmt is None:
             raise CheckpointError(
@@ -123,10 +121,8 @@ class QuantizationSpec:
         return ModuleQuant(fmt, None, source)
 
     def module_quant(self, algo: str | None, group_size: int | None, *, setting: str, key: str,
-                     source: str):
+                     source: str) -> ModuleQuant:
         """The ModuleQuant for ``algo``; an algorithm that is no runnable format is an error."""
-        from moe_runtime.checkpoint.records import ModuleQuant
-
         if algo is None:
             return self.unquantized(source)
         fmt = ALGO_FORMATS.get(algo)
