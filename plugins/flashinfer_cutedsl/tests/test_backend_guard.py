@@ -19,7 +19,7 @@ from moe_runtime_flashinfer_cutedsl.backend import (
     check_capability,
 )
 
-from conftest import make_setup
+from cutedsl_helpers import make_setup
 
 
 @pytest.mark.parametrize("cap", plugin.supported_capabilities())
@@ -66,7 +66,7 @@ def test_refusing_imports_no_flashinfer():
     code = (
         "import sys\n"
         "sys.path.insert(0, 'tests')\n"
-        "from conftest import make_setup\n"
+        "from cutedsl_helpers import make_setup\n"
         "from moe_runtime_flashinfer_cutedsl.backend import CuteDslExperts\n"
         "from moe_runtime_flashinfer_cutedsl.backend import UnsupportedDeviceError\n"
         "try:\n"

@@ -28,7 +28,7 @@ from moe_runtime.planner import Deployment, plan_layer
 from moe_runtime.runtime import LayerProblem
 from moe_runtime_flashinfer_cutedsl import plugin
 
-from conftest import blackwell_kernels_here, make_nvfp4_weights
+from cutedsl_helpers import blackwell_kernels_here, make_nvfp4_weights
 
 _OK, _WHY = blackwell_kernels_here()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_WHY)]

@@ -12,7 +12,7 @@ import torch
 from moe_runtime import formats as F
 from moe_runtime_flashinfer_cutedsl import weights as W
 
-from conftest import dequantize, make_nvfp4_weights, make_setup
+from cutedsl_helpers import dequantize, make_nvfp4_weights, make_setup
 
 
 def unswizzle(storage: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
