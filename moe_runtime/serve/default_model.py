@@ -58,8 +58,12 @@ def ensure_default_model(progress: bool = True) -> Path:
     return final
 
 
-def make_default_model(out_dir: str | Path) -> Path:
-    """Write the default model (weights, config, tokenizer) into ``out_dir``, deterministically."""
+def make_default_model(out_dir: str | Path, *, quant: str = "mixed") -> Path:
+    """Write the default model (weights, config, tokenizer) into ``out_dir``, deterministically.
+
+    ``quant`` picks another export of the same recipe (``"w4a16_nvfp4"``, ``"bf16"``...), for tests
+    that need weight-only numerics.
+    """
     from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
 
     out = Path(out_dir)
@@ -71,7 +75,7 @@ def make_default_model(out_dir: str | Path) -> Path:
         "eos_token_id": ids[tiny_tokenizer.EOS_TOKEN],
         "pad_token_id": ids[tiny_tokenizer.BOS_TOKEN],
     }
-    make_tiny_checkpoint(out, arch="qwen3_moe", quant="mixed", seed=SEED, vocab_size=vocab,
+    make_tiny_checkpoint(out, arch="qwen3_moe", quant=quant, seed=SEED, vocab_size=vocab,
                          max_position_embeddings=CONTEXT_LENGTH, initializer_range=0.1, **special)
     # the exporter writes no generation config; the server reads EOS from it
     (out / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -1,16 +1,12 @@
 """The boundary between the server and model loading: a folder in, a ready model out.
 
-:func:`load_for_serving` is the one function the server calls. This version loads with plain
-transformers and runs every MoE layer through transformers' own experts implementation; ModelOpt
-checkpoints (FP8, NVFP4, MIXED_PRECISION), which transformers cannot read, go through
-moe-runtime's checkpoint loader with every quantized weight dequantized to the model's dtype.
-Serving MoE layers through moe-runtime's plan replaces the body of this function, not its
-signature: the server only reads :class:`LoadedModel`.
+:func:`load_for_serving` is the one function the server calls: moe-runtime's loader builds the
+transformers model, plans every MoE layer and runs it through the plan's backends (registered as
+transformers' ``"moe_runtime"`` experts implementation). The server only reads :class:`LoadedModel`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -49,54 +45,77 @@ def load_for_serving(
     moe_a2a_backend: str | None = None,
     progress: bool = True,
     dtype: str | None = None,
+    transformers_experts: bool = False,
 ) -> LoadedModel:
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
-    ``moe_runner_backend`` / ``moe_a2a_backend`` pin moe-runtime's backends; this transformers-only
-    loader runs transformers' experts and refuses a pin it cannot honour. ``dtype`` overrides the
+    Every MoE layer runs through moe-runtime's plan: ``moe_runner_backend`` / ``moe_a2a_backend``
+    pin its backends, and a pin that cannot run a layer is refused (``LoadError`` with the
+    planner's reasons) before any weight is read. Quantized non-MoE linears are dequantized to the
+    model dtype at load. ``transformers_experts=True`` instead runs transformers' own experts on
+    dequantized weights (the baseline of benchmarks; no plan). ``dtype`` overrides the
     checkpoint's dtype (``None`` or ``"auto"``: the one in config.json).
     """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise LoadError(f"{path} is not a model folder: it has no config.json")
-    if moe_runner_backend or moe_a2a_backend:
-        pinned = ", ".join(f"{k} {v!r}" for k, v in (("--moe-runner-backend", moe_runner_backend),
-                                                     ("--moe-a2a-backend", moe_a2a_backend)) if v)
-        raise LoadError(f"this build loads MoE layers with transformers' own experts; {pinned} "
-                        "needs moe-runtime's model integration")
     if dtype not in (None, *_DTYPES):
         raise LoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if transformers_experts and (moe_runner_backend or moe_a2a_backend):
+        raise LoadError("transformers' own experts take no moe-runtime backend pins")
 
-    from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from moe_runtime.checkpoint import CheckpointError
+    from moe_runtime.planner import Deployment, PlanError
+    from moe_runtime.tensors import WeightError
 
-    steps = tqdm(total=3, desc=f"Loading {path.name}", unit="step", disable=not progress)
-    with steps:
+    deployment = Deployment(experts_backend=moe_runner_backend, comm_backend=moe_a2a_backend)
+    try:
+        # Plan first (no transformers import, no weights): a refused pin fails in a second.
+        if not transformers_experts:
+            _plan_only(path, device, deployment)
+        from tqdm.auto import tqdm
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from moe_runtime.integration.transformers import load_model
+
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        quant = _modelopt_quant_algo(path, config)
-        stored_dtype = _config_dtype(config)
-        steps.set_postfix_str("tokenizer")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # transformers raises several types for a missing tokenizer
             raise LoadError(f"{path} has no loadable tokenizer: {exc}") from exc
-        steps.update()
-
-        steps.set_postfix_str("weights")
         torch_dtype = _resolve_dtype(dtype, config)
-        if quant is None:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, local_files_only=True)
-            summary = None
-        else:
-            model, summary = _load_dequantized(path, torch_dtype, device, progress)
-        model = model.to(device).eval()
-        steps.update()
-
-        steps.set_postfix_str("plan")
-        plan = _transformers_plan(path, model, quant, stored_dtype, summary)
-        steps.update()
+        bar = (lambda total, desc: tqdm(total=total, desc=f"Loading {path.name}", unit="tensor",
+                                        disable=not progress))
+        loaded = load_model(path, deployment=deployment, device=device, dtype=torch_dtype,
+                            dequantize_experts=transformers_experts, progress=bar)
+    except (CheckpointError, WeightError, PlanError) as exc:
+        raise LoadError(str(exc)) from exc
+    model = loaded.model
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    if transformers_experts:
+        data = loaded.plan_json()
+        plan = _transformers_plan(path, model, data["checkpoint"].get("quant_algo"),
+                                  _config_dtype(config),
+                                  {"checkpoint": data["checkpoint"], "served": data["linears"]})
+    else:
+        plan = {"loader": "moe-runtime", "dtype": str(model.dtype).replace("torch.", ""),
+                "device": device, **loaded.plan_json()}
     return LoadedModel(model=model, tokenizer=tokenizer, plan=plan, name=path.name)
+
+
+def _plan_only(path: Path, device: str, deployment) -> None:
+    """Resolve the checkpoint and plan it for ``device``; raises the planner's refusal."""
+    from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.environment import Environment
+    from moe_runtime.manager import Registry
+    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.planner import plan_model
+
+    registry = Registry.load()
+    env = Environment.probe(device=device, modules=registry.required_modules())
+    plan_model(problems_from_checkpoint(read_checkpoint(path)), registry=registry,
+               environment=env, deployment=deployment)
 
 
 def _config_dtype(config) -> str:
@@ -107,51 +126,6 @@ def _resolve_dtype(dtype: str | None, config):
     import torch
 
     return getattr(torch, _DTYPES.get(dtype or "auto") or _config_dtype(config))
-
-
-# ---------------------------------------------------------------------- ModelOpt checkpoints
-
-
-def _modelopt_quant_algo(path: Path, config) -> str | None:
-    """The checkpoint's ModelOpt ``quant_algo`` (reported only), or None for an unquantized one."""
-    hf_quant = path / "hf_quant_config.json"
-    if hf_quant.is_file():
-        try:
-            data = json.loads(hf_quant.read_text())
-        except json.JSONDecodeError as exc:
-            raise LoadError(f"{hf_quant} is not valid JSON: {exc}") from exc
-        return str(data.get("quantization", {}).get("quant_algo") or "unknown")
-    qc = getattr(config, "quantization_config", None)
-    if isinstance(qc, dict):
-        if qc.get("quant_method") == "modelopt":
-            return str(qc.get("quant_algo") or "unknown")
-        raise LoadError(f"{path / 'config.json'}: quantization method {qc.get('quant_method')!r} "
-                        "is not one this loader dequantizes (it reads ModelOpt checkpoints)")
-    return None
-
-
-def _load_dequantized(path: Path, dtype, device: str, progress: bool):
-    """A ModelOpt checkpoint with every quantized weight dequantized into ``dtype``.
-
-    transformers cannot read ModelOpt checkpoints; moe-runtime's checkpoint loader can, and with
-    ``dequantize_experts=True`` it fills transformers' own experts parameters (no plan involved).
-    Returns the model and the per-module summary of what the checkpoint stores.
-    """
-    from transformers import GenerationConfig
-
-    from moe_runtime.checkpoint import CheckpointError
-    from moe_runtime.integration.transformers import load_model
-    from moe_runtime.tensors import WeightError
-
-    try:
-        loaded = load_model(path, dequantize_experts=True, dtype=dtype, device=device,
-                            progress=progress)
-    except (CheckpointError, WeightError) as exc:
-        raise LoadError(str(exc)) from exc
-    if (path / "generation_config.json").is_file():
-        loaded.model.generation_config = GenerationConfig.from_pretrained(path)
-    data = loaded.plan_json()
-    return loaded.model, {"checkpoint": data["checkpoint"], "served": data["linears"]}
 
 
 # ------------------------------------------------------------------------------------ the plan

@@ -91,16 +91,27 @@ def cache_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(cache_home):
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache_home), PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = ServerProcess(["--port", "0", "--dtype", "float32", "--api-key", API_KEY,
-                          "--max-batch-size", "8"], env)
-    try:
+def server_factory(cache_home):
+    """Start more servers (extra CLI arguments); each is stopped at the end of the session."""
+    started = []
+
+    def start(extra: list[str]) -> ServerProcess:
+        env = dict(os.environ, XDG_CACHE_HOME=str(cache_home), PYTHONUNBUFFERED="1",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        proc = ServerProcess(["--port", "0", "--dtype", "float32", "--api-key", API_KEY,
+                              "--max-batch-size", "8", *extra], env)
+        started.append(proc)
         proc.wait_ready()
-        yield proc
-    finally:
+        return proc
+
+    yield start
+    for proc in started:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server(server_factory):
+    return server_factory([])
 
 
 @pytest.fixture(scope="session")

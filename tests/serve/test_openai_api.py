@@ -101,7 +101,12 @@ def test_plan_route_reports_every_moe_layer(http):
     assert len(plan["layers"]) == 2
     for layer in plan["layers"]:
         assert {"layer", "format", "experts", "communication"} <= set(layer)
-    assert plan["rejections"] == []
+    assert [layer["format"] for layer in plan["layers"]] == ["nvfp4_w4a4", "nvfp4_w4a4"]
+    assert plan["checkpoint"]["method"] == "modelopt_mixed"
+    # every turned-down backend comes with a reason from the closed set
+    for r in plan["rejections"]:
+        assert r["reason"] and r["message"] and r["backend"] not in {
+            lp["experts"] for lp in plan["layers"]}
 
 
 def test_health_answers_ok(http):

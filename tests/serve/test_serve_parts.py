@@ -116,8 +116,26 @@ def test_a_missing_model_folder_exits_non_zero(tmp_path):
     assert "no config.json" in r.stderr
 
 
-def test_a_backend_pin_this_loader_cannot_honour_exits_before_loading(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    r = _serve("--model", str(tmp_path), "--moe-runner-backend", "flashinfer_cutedsl")
+def test_a_backend_that_cannot_run_a_layer_is_refused_before_any_weight_is_read(tmp_path):
+    import time
+
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="mixed")
+    start = time.monotonic()
+    r = _serve("--model", str(ckpt), "--moe-runner-backend", "flashinfer_cutedsl")
+    elapsed = time.monotonic() - start
     assert r.returncode == 1
-    assert "flashinfer_cutedsl" in r.stderr
+    assert "layer model.layers.0.mlp.experts (format nvfp4_w4a4" in r.stderr
+    assert "flashinfer_cutedsl" in r.stderr and "would run this layer: reference" in r.stderr
+    assert "Loading" not in r.stderr  # refused before the weights' progress bar started
+    assert elapsed < 60
+
+
+def test_an_unknown_backend_pin_lists_the_registered_ones(tmp_path):
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="bf16")
+    r = _serve("--model", str(ckpt), "--moe-runner-backend", "nope")
+    assert r.returncode == 1
+    assert "'nope' is not a registered experts backend" in r.stderr and "reference" in r.stderr
