@@ -265,3 +265,59 @@ def test_preparing_on_the_gpu_gives_the_cpu_bytes(layout):
         a, b = getattr(cpu, name), getattr(gpu, name)
         assert b.is_cuda and torch.equal(a, b.cpu()), name
     assert torch.equal(cpu.w13_scale_mma, gpu.w13_scale_mma.cpu())
+
+
+# ------------------------------------------------------- a checkpoint exported by ModelOpt itself
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One MoE layer of a tiny Qwen3-MoE checkpoint quantized and exported by nvidia-modelopt's
+    own exporter, read back through moe-runtime's NVFP4 method."""
+    tiny = pytest.importorskip("moe_runtime.checkpoint.tiny", reason="moe_runtime.checkpoint.tiny "
+                               "(tiny ModelOpt checkpoints) is not in this checkout")
+    from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.methods import load_expert_weights
+    from moe_runtime.tensors import CheckpointTensors
+
+    folder = tiny.make_tiny_checkpoint(tmp_path_factory.mktemp("export") / "nvfp4",
+                                       arch="qwen3_moe", quant="nvfp4", hidden_size=128,
+                                       intermediate_size=64, num_experts=6)
+    layer = read_checkpoint(folder).moe_layers[0]
+    tensors = CheckpointTensors(folder)
+    try:
+        return load_expert_weights(tensors, layer)
+    finally:
+        tensors.close()
+
+
+def test_exported_weights_prepare_to_the_same_layouts(exported):
+    w = exported
+    assert w.format == F.NVFP4_W4A4 and w.a13_scale is not None
+    p = W.prepare_experts(w, make_setup(w, hidden=128, intermediate=64))
+    i, h = w.intermediate_size, w.hidden_size
+    assert torch.equal(p.w13, W.up_gate_interleaved(w.w13))
+    assert torch.equal(unswizzle(p.w13_scale, 2 * i, h // 16),
+                       W.up_gate_interleaved(w.w13_scale.view(torch.uint8)))
+    assert torch.equal(unswizzle(p.w2_scale, h, i // 16), w.w2_scale.view(torch.uint8))
+    assert torch.equal(p.w13_alpha, (w.a13_scale * w.w13_scale_2).float())
+    assert torch.equal(p.w2_alpha, (w.a2_scale * w.w2_scale_2).float())
+    x = torch.randn(4, h, generator=torch.Generator().manual_seed(3))
+    for e in range(w.num_experts):
+        full = dequantize(w.w13[e], w.w13_scale[e], w.w13_scale_2[e])
+        expected = torch.nn.functional.silu(x @ full[:i].T) * (x @ full[i:].T)
+        kernel_w = dequantize(p.w13[e], unswizzle(p.w13_scale[e:e + 1], 2 * i, h // 16)[0],
+                              w.w13_scale_2[e])
+        acc = (x @ kernel_w.T).view(4, i // 64, 2, 64)
+        got = (torch.nn.functional.silu(acc[:, :, 1]) * acc[:, :, 0]).reshape(4, i)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_exported_weights_split_across_ranks(exported):
+    w = exported
+    whole = W.prepare_experts(w, make_setup(w, hidden=128, intermediate=64, layout=F.MASKED))
+    for rank, sl in ((0, slice(0, 2)), (1, slice(2, 4)), (2, slice(4, 6))):
+        p = W.prepare_experts(w, make_setup(w, hidden=128, intermediate=64, layout=F.MASKED,
+                                            ep_rank=rank, ep_size=3))
+        for name in ("w13", "w13_scale", "w2", "w2_scale", "w13_alpha", "w2_alpha"):
+            assert torch.equal(getattr(p, name), getattr(whole, name)[sl]), (rank, name)
