@@ -249,8 +249,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from moe_runtime.manager import PluginError
+    import os
 
+    from moe_runtime.manager import ENV_BLOCK, ENV_NO_AUTOLOAD, ENV_STRICT, PluginError
+
+    # Global plugin options reach every command, including those that load plugins themselves
+    # (serve, conformance), the same way the environment variables do.
+    blocked = _blocked(args)
+    if blocked:
+        os.environ[ENV_BLOCK] = ",".join(filter(None, [os.environ.get(ENV_BLOCK, "")] + blocked))
+    if args.disable_plugin_autoload:
+        os.environ[ENV_NO_AUTOLOAD] = "1"
+    if args.strict_plugins:
+        os.environ[ENV_STRICT] = "1"
     try:
         return int(args.func(args) or 0)
     except PluginError as exc:
