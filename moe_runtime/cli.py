@@ -267,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PluginError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except BrokenPipeError:  # `moe-runtime plugins | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
