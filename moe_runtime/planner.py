@@ -227,8 +227,13 @@ def evaluate_experts(
             native.append(_ExpertsOption(spec, s, p.format))
     if native or degraded:
         return native + degraded, None
-    return [], max(failures, key=lambda f: _EXPERTS_ORDER.index(f[0])
-                   if f[0] in _EXPERTS_ORDER else -1)
+    worst = max(failures, key=lambda f: _EXPERTS_ORDER.index(f[0])
+                if f[0] in _EXPERTS_ORDER else -1)
+    if worst[0] is Reason.UNSUPPORTED_FORMAT and all(
+            f[0] is Reason.UNSUPPORTED_FORMAT for f in failures):
+        declared = sorted({f for s in spec.supports for f in s.formats})
+        worst = (worst[0], f"does not run format {p.format}; it declares {', '.join(declared)}")
+    return [], worst
 
 
 def evaluate_comm(
