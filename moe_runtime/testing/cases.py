@@ -127,35 +127,39 @@ def _target_for(s: Support) -> str:
 
 
 def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalCase]:
-    """Every registered format or activation the backend does not declare, on a machine where its
-    hardware matches (so the format, not the device, is the reason); and every device it does not
-    declare."""
+    """Undeclared combinations and the reason the planner must give for each.
+
+    - a registered format declared by no block: ``unsupported_format``, on a machine where one of
+      the backend's blocks matches (so the format, not the device, is the reason);
+    - an activation declared by no block: ``unsupported_activation``;
+    - a declared format on a device kind no block of that format runs on: ``unsupported_device``;
+    - a declared format on a CUDA capability outside every range of the blocks declaring it:
+      ``compute_capability``.
+    """
     out = []
+    declared = {f for t in spec.supports for f in t.formats}
+    acts = {a for t in spec.supports for a in t.activations}
     for s in spec.supports:
         target = _target_for(s)
-        env = Environment.for_target(target)
-        accepted_formats = {f for t in spec.supports for f in t.formats
-                            if _hw_matches(t, env)}
-        for fmt in sorted(set(registry.formats) - accepted_formats):
+        for fmt in sorted(set(registry.formats) - declared):
             out.append(RefusalCase(spec.name, fmt, sorted(s.activations)[0],
                                    "unsupported_format", target))
-        for act in sorted(F.ACTIVATIONS - {a for t in spec.supports for a in t.activations}):
+        for act in sorted(F.ACTIVATIONS - acts):
             out.append(RefusalCase(spec.name, sorted(s.formats)[0], act,
                                    "unsupported_activation", target))
-    all_devices = {d for s in spec.supports for d in s.hardware.devices}
-    fmt0 = sorted(spec.supports[0].formats)[0]
-    act0 = sorted(spec.supports[0].activations)[0]
-    if "cpu" not in all_devices:
-        out.append(RefusalCase(spec.name, fmt0, act0, "unsupported_device", "cpu"))
-    ranges = [r for s in spec.supports for r in s.hardware.cuda_capabilities]
-    if "cuda" in all_devices and ranges and all(s.hardware.cuda_capabilities
-                                                for s in spec.supports if "cuda" in s.hardware.devices):
-        for probe in ("7.0", "8.0", "9.0", "10.0", "12.0"):
-            cap = tuple(int(x) for x in probe.split("."))
-            if not any(r.contains(cap) for r in ranges):
-                out.append(RefusalCase(spec.name, fmt0, act0, "compute_capability",
-                                       f"cuda:{probe}"))
-    # de-duplicate, keep order
+    for fmt in sorted(declared):
+        blocks = [t for t in spec.supports if fmt in t.formats]
+        act = sorted(blocks[0].activations)[0]
+        devices = {d for t in blocks for d in t.hardware.devices}
+        if "cpu" not in devices:
+            out.append(RefusalCase(spec.name, fmt, act, "unsupported_device", "cpu"))
+        if "cuda" in devices and all(t.hardware.cuda_capabilities for t in blocks
+                                     if "cuda" in t.hardware.devices):
+            for probe in ("7.0", "8.0", "9.0", "10.0", "12.0"):
+                env = Environment.for_target(f"cuda:{probe}")
+                if not any(_hw_matches(t, env) for t in blocks):
+                    out.append(RefusalCase(spec.name, fmt, act, "compute_capability",
+                                           f"cuda:{probe}"))
     return list(dict.fromkeys(out))
 
 

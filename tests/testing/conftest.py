@@ -1,1 +1,0 @@
-pytest_plugins = ["moe_runtime.testing.plugin"]
