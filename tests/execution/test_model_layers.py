@@ -74,3 +74,35 @@ def test_greedy_tokens_match_transformers_for_weight_only_formats(tiny_checkpoin
         a = ours.model.generate(prompt, **kw)
         b = ref.model.generate(prompt, **kw)
     assert a.tolist() == b.tolist()
+
+
+# On a GPU the planner picks the fastest declared backend (Triton on Hopper, FlashInfer on 10.x);
+# in bf16 the layer is compared with transformers' experts on dequantized weights, also in bf16.
+GPU_TOLERANCE = {"bf16": 0.03, "w4a16_nvfp4": 0.03, "fp8": 0.2, "nvfp4": 0.25, "mixed": 0.25}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "w4a16_nvfp4", "mixed"])
+def test_moe_layers_on_gpu_match_transformers(tiny_checkpoint, arch, quant):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = tiny_checkpoint(arch, quant, hidden_size=128, intermediate_size=64)
+    ours = load_model(path, dtype="bfloat16", device="cuda")
+    ref = load_model(path, dtype="bfloat16", device="cuda", dequantize_experts=True)
+    print({lp.problem.name: (lp.experts, lp.runs_as) for lp in ours.plan.layers})
+    names = [layer.name for layer in ours.checkpoint.moe_layers]
+    seen, hooks = _capture_moe_io(ref.model, names)
+    ids = torch.randint(0, ref.model.config.vocab_size, (4, 33),
+                        generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        ref.model(ids)
+    for h in hooks:
+        h.remove()
+    modules = dict(ours.model.named_modules())
+    for name in names:
+        args, expected = seen[name]
+        with torch.no_grad():
+            got = modules[name](*args)
+        err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+        assert err <= GPU_TOLERANCE[quant], f"{arch}/{quant} {name}: relative error {err:.3g}"
