@@ -1,0 +1,122 @@
+"""The declaration of the ``deepep`` communication backend, and the hook that registers it.
+
+This module is the entry point (group ``moe_runtime``, name ``deepep``). It imports the declaration
+vocabulary of moe-runtime and this package's pure-Python modules: no torch, no ``deep_ep``. The
+backend class is named by the lazy factory string and imported only when the planner selects it.
+
+What is declared, and why (numbers in :mod:`moe_runtime_deepep.limits`, sources in README.md):
+
+- **low_latency** (listed first: preferred when the deployment's batch fits its bound): produces
+  the masked layout ``[local_experts, max_tokens_per_rank * ranks, hidden]`` with ``masked_m``;
+  carries **unquantized** (bf16) payloads only. DeepEP's low-latency FP8 (``use_fp8=True``, and
+  the only mode of 1.0.0) quantizes each token dynamically with one float32 scale per 128 hidden
+  channels (column-major scales): not the ``fp8`` payload of the vocabulary (float8 with the
+  layer's own per-tensor input scale), so it is not declared. NVFP4 dispatch exists only in the
+  sgl-project fork (``use_nvfp4`` with ``x_global_scale``), in a CuTe-DSL-specific swizzled layout
+  that the core's ``nvfp4`` payload does not describe: not declared either. The per-rank token
+  bound is declared (``MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK``, default 128). Group sizes:
+  2-7 and multiples of 8 up to 64 (``Buffer`` asserts ranks < 8 or a multiple of 8).
+- **normal**: produces the token-major layout (received tokens, local top-k ids with -1, weights,
+  per-expert counts); carries **unquantized** and **fp8** (the dispatch takes an ``(e4m3, scales)``
+  pair; here the values are quantized with the layer's own input scale, and the scales DeepEP
+  carries are that scale). Intranode only: group sizes exactly 2, 4 and 8 (``SWITCH_RANKS``).
+- Both: CUDA, compute capability 9.0 or newer, ``deep_ep`` (and torch) importable.
+
+Limits the vocabulary cannot express (bf16 activations only, ``num_experts % ranks == 0``, the
+low-latency hidden sizes and top-k <= 9) are checked by the backend when it is built, with a
+sentence naming the limit.
+"""
+
+from __future__ import annotations
+
+from moe_runtime import formats as F
+from moe_runtime.declarations import CapabilityRange, CommBackendSpec, CommSupport, Hardware
+from moe_runtime.hookspecs import hookimpl
+
+from moe_runtime_deepep import limits
+from moe_runtime_deepep.settings import DeepEPSettings
+
+NAME = "deepep"
+FACTORY = "moe_runtime_deepep.backend:DeepEPComm"
+MODE_NORMAL = "normal"
+MODE_LOW_LATENCY = "low_latency"
+
+#: Modules that must be importable. ``deep_ep`` is DeepEP's package (its extension is
+#: ``deep_ep_cpp`` in 1.0.0-1.2.x and ``deep_ep._C`` after the V2 reorganisation).
+REQUIRES = ("deep_ep", "torch")
+
+HOPPER_PLUS = Hardware(
+    devices=("cuda",),
+    cuda_capabilities=(CapabilityRange("9.0"),),
+    requires=REQUIRES,
+)
+
+DESCRIPTION = (
+    "Expert parallelism through DeepEP: normal mode (token-major, intranode 2/4/8 ranks, bf16 or "
+    "fp8 with the layer's input scale) and low-latency mode (masked layout, bf16, bounded tokens "
+    "per rank). Not yet run on GPUs."
+)
+
+
+def build_spec(settings: DeepEPSettings | None = None) -> CommBackendSpec:
+    """The declaration for ``settings`` (default: read from the environment)."""
+    settings = DeepEPSettings.from_env() if settings is None else settings
+    modes: list[CommSupport] = []
+    for lo, hi in limits.low_latency_world_sizes():
+        modes.append(CommSupport(
+            layout=F.MASKED,
+            payloads=(F.UNQUANTIZED,),
+            min_world_size=lo,
+            max_world_size=hi,
+            max_tokens_per_rank=settings.ll_max_tokens_per_rank,
+            hardware=HOPPER_PLUS,
+            mode=MODE_LOW_LATENCY,
+        ))
+    for world in limits.NORMAL_INTRANODE_WORLD_SIZES:
+        modes.append(CommSupport(
+            layout=F.TOKEN_MAJOR,
+            payloads=(F.UNQUANTIZED, F.FP8),
+            min_world_size=world,
+            max_world_size=world,
+            max_tokens_per_rank=None,
+            hardware=HOPPER_PLUS,
+            mode=MODE_NORMAL,
+        ))
+    return CommBackendSpec(
+        name=NAME,
+        factory=FACTORY,
+        supports=tuple(modes),
+        priority=20,
+        description=DESCRIPTION,
+    )
+
+
+def mode_for_layout(layout: str) -> str:
+    """The DeepEP mode that produces ``layout`` (the plan fixes the layout per layer)."""
+    if layout == F.MASKED:
+        return MODE_LOW_LATENCY
+    if layout == F.TOKEN_MAJOR:
+        return MODE_NORMAL
+    raise ValueError(f"deepep produces the layouts {F.TOKEN_MAJOR} and {F.MASKED}, not {layout!r}")
+
+
+class DeepEPPlugin:
+    """A plugin object registering the declaration for explicit ``settings``.
+
+    For programs that configure the bound in code: block the entry point and pass an instance,
+    ``get_plugin_manager(blocked=["deepep"], plugins=[DeepEPPlugin(DeepEPSettings(...))])``.
+    The backend reads the plan's bound from its ``CommSetup``; its run-time policies come from the
+    environment unless given to ``DeepEPComm(settings=...)``.
+    """
+
+    def __init__(self, settings: DeepEPSettings) -> None:
+        self.settings = settings
+
+    @hookimpl
+    def moe_runtime_register_backends(self, register):
+        register(build_spec(self.settings))
+
+
+@hookimpl
+def moe_runtime_register_backends(register):
+    register(build_spec())

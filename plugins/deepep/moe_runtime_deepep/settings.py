@@ -1,0 +1,132 @@
+"""The plugin's settings: environment variables, validated when read, the same on every rank.
+
+Pure Python. The declared low-latency token bound is read when the plugin registers (so the planner
+sees it); the run-time policies are read again when a backend is built. Every rank of an
+expert-parallel group must see the same values, as DeepEP requires of
+``num_max_dispatch_tokens_per_rank``.
+
+=========================================  =========  =============================================
+variable                                   default    meaning
+=========================================  =========  =============================================
+``MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_    128        the low-latency mode's declared per-rank
+RANK``                                                token bound (DeepEP's
+                                                      ``num_max_dispatch_tokens_per_rank``)
+``MOE_RUNTIME_DEEPEP_LL_OVERSIZE``         refuse     a low-latency batch above the plan's bound:
+                                                      ``refuse`` (every rank raises the same
+                                                      error) or ``split`` (every rank runs the
+                                                      same number of bounded rounds)
+``MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH``      1          all-reduce the batch size over the group
+                                                      before a low-latency dispatch, so that every
+                                                      rank refuses or splits alike (a host sync);
+                                                      ``0`` trusts the caller to keep the bound
+``MOE_RUNTIME_DEEPEP_NUM_SMS``             unset      ``Buffer.set_num_sms`` for normal kernels
+``MOE_RUNTIME_DEEPEP_ALLOW_NVLINK_LL``     unset      ``allow_nvlink_for_low_latency_mode`` where
+                                                      the installed ``Buffer`` takes it
+``MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES``     DeepEP's   comma list of hidden sizes the installed
+                                           list       build's low-latency kernels support
+=========================================  =========  =============================================
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+from moe_runtime_deepep import limits
+
+ENV_LL_MAX_TOKENS = "MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK"
+ENV_LL_OVERSIZE = "MOE_RUNTIME_DEEPEP_LL_OVERSIZE"
+ENV_AGREE = "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH"
+ENV_NUM_SMS = "MOE_RUNTIME_DEEPEP_NUM_SMS"
+ENV_ALLOW_NVLINK_LL = "MOE_RUNTIME_DEEPEP_ALLOW_NVLINK_LL"
+ENV_LL_HIDDEN_SIZES = "MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES"
+ENV_QP_DEPTH = "NVSHMEM_QP_DEPTH"  # DeepEP's own variable, read to check the bound against it
+
+OVERSIZE_POLICIES = ("refuse", "split")
+
+
+class SettingsError(ValueError):
+    """A setting of the DeepEP plugin is invalid; the message names the variable."""
+
+
+def _int(environ, name: str, default: int | None, *, minimum: int) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _bool(environ, name: str, default: bool | None) -> bool | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+@attrs.frozen
+class DeepEPSettings:
+    """The plugin's settings (see the module docstring for the variables)."""
+
+    ll_max_tokens_per_rank: int = limits.DEFAULT_LOW_LATENCY_MAX_TOKENS_PER_RANK
+    ll_oversize: str = "refuse"
+    agree_on_batch: bool = True
+    num_sms: int | None = None
+    allow_nvlink_for_low_latency: bool | None = None
+    ll_hidden_sizes: tuple[int, ...] = limits.LOW_LATENCY_HIDDEN_SIZES
+    qp_depth: int = limits.DEFAULT_NVSHMEM_QP_DEPTH
+
+    def __attrs_post_init__(self) -> None:
+        if self.ll_oversize not in OVERSIZE_POLICIES:
+            raise SettingsError(
+                f"{ENV_LL_OVERSIZE}={self.ll_oversize!r}: use one of {', '.join(OVERSIZE_POLICIES)}"
+            )
+        if self.ll_oversize == "split" and not self.agree_on_batch:
+            raise SettingsError(
+                f"{ENV_LL_OVERSIZE}=split needs {ENV_AGREE}=1: ranks must agree on the number of "
+                "low-latency rounds, or the ones with fewer rounds leave the others waiting"
+            )
+        limit = limits.max_low_latency_tokens(self.qp_depth)
+        if not 1 <= self.ll_max_tokens_per_rank <= limit:
+            raise SettingsError(
+                f"{ENV_LL_MAX_TOKENS}={self.ll_max_tokens_per_rank}: DeepEP's low-latency calls "
+                f"assert {ENV_QP_DEPTH} >= (bound + 1) * 2, so with {ENV_QP_DEPTH}={self.qp_depth} "
+                f"the bound must be between 1 and {limit}"
+            )
+        if self.num_sms is not None and self.num_sms % 2:
+            raise SettingsError(f"{ENV_NUM_SMS}={self.num_sms}: DeepEP needs an even SM count")
+
+    @classmethod
+    def from_env(cls, environ=None) -> DeepEPSettings:
+        environ = os.environ if environ is None else environ
+        sizes_raw = environ.get(ENV_LL_HIDDEN_SIZES, "").strip()
+        if sizes_raw:
+            try:
+                sizes = tuple(sorted({int(s) for s in sizes_raw.split(",") if s.strip()}))
+            except ValueError:
+                raise SettingsError(
+                    f"{ENV_LL_HIDDEN_SIZES}={sizes_raw!r} is not a comma list of integers"
+                ) from None
+        else:
+            sizes = limits.LOW_LATENCY_HIDDEN_SIZES
+        return cls(
+            ll_max_tokens_per_rank=_int(environ, ENV_LL_MAX_TOKENS,
+                                        limits.DEFAULT_LOW_LATENCY_MAX_TOKENS_PER_RANK, minimum=1),
+            ll_oversize=environ.get(ENV_LL_OVERSIZE, "refuse").strip().lower() or "refuse",
+            agree_on_batch=_bool(environ, ENV_AGREE, True),
+            num_sms=_int(environ, ENV_NUM_SMS, None, minimum=2),
+            allow_nvlink_for_low_latency=_bool(environ, ENV_ALLOW_NVLINK_LL, None),
+            ll_hidden_sizes=sizes,
+            qp_depth=_int(environ, ENV_QP_DEPTH, limits.DEFAULT_NVSHMEM_QP_DEPTH, minimum=4),
+        )
