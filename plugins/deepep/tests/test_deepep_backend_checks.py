@@ -175,3 +175,11 @@ def test_larger_queue_depth_allows_a_larger_bound():
                                  "NVSHMEM_QP_DEPTH": "4096"})
     assert s.ll_max_tokens_per_rank == 1000
     assert limits.max_low_latency_tokens(4096) == 2047
+
+
+def test_without_agreement_an_oversized_batch_is_refused_locally_before_deepep_is_called():
+    comm = build(layer(), F.MASKED, 8, max_tokens=16,
+                 settings=DeepEPSettings(agree_on_batch=False))
+    assert comm._rounds(16) == 1  # no collective when agreement is off
+    with pytest.raises(DeepEPError, match="bound of 16 tokens.*only this rank knows"):
+        comm._rounds(17)
