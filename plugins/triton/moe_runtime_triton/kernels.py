@@ -46,8 +46,25 @@ FP8_MAX = 448.0
 
 
 @triton.jit
+def _write_block_map(ends, padded, emask, bexp_ptr, num_blocks, BLOCK_M: tl.constexpr,
+                     E_P2: tl.constexpr, FILL: tl.constexpr):
+    """``bexp[b]`` = expert of row block ``b``, or -1 past the last used block. GEMM programs
+    read one int instead of searching the offsets."""
+    for c in range(0, num_blocks, FILL):
+        b = c + tl.arange(0, FILL)
+        tl.store(bexp_ptr + b, tl.zeros([FILL], dtype=tl.int32) - 1, mask=b < num_blocks)
+    tl.debug_barrier()
+    eo = tl.arange(0, E_P2)
+    nb = padded // BLOCK_M
+    first = (ends - padded) // BLOCK_M
+    max_nb = tl.max(tl.where(emask, nb, 0), axis=0)
+    for j in range(0, max_nb):
+        tl.store(bexp_ptr + first + j, eo, mask=emask & (j < nb))
+
+
+@triton.jit
 def route_small_kernel(
-    ids_ptr, sorted_ptr, ends_ptr, scratch_ptr,
+    ids_ptr, sorted_ptr, bexp_ptr, scratch_ptr,
     P, E, max_rows,
     BLOCK_M: tl.constexpr, P_P2: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr,
 ):
@@ -72,7 +89,7 @@ def route_small_kernel(
     counts = tl.load(scratch_ptr + eo, mask=emask, other=0, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    tl.store(ends_ptr + eo, ends, mask=emask)
+    _write_block_map(ends, padded, emask, bexp_ptr, max_rows // BLOCK_M, BLOCK_M, E_P2, FILL)
     tl.debug_barrier()
     tl.store(scratch_ptr + eo, ends - padded, mask=emask)
     tl.debug_barrier()
@@ -104,15 +121,15 @@ def route_count_kernel(
 
 
 @triton.jit
-def route_offsets_kernel(counts_ptr, ends_ptr, starts_ptr, E, BLOCK_M: tl.constexpr,
+def route_offsets_kernel(counts_ptr, bexp_ptr, starts_ptr, E, num_blocks, BLOCK_M: tl.constexpr,
                          E_P2: tl.constexpr):
     eo = tl.arange(0, E_P2)
     emask = eo < E
     counts = tl.load(counts_ptr + eo, mask=emask, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    tl.store(ends_ptr + eo, ends, mask=emask)
     tl.store(starts_ptr + eo, ends - padded, mask=emask)
+    _write_block_map(ends, padded, emask, bexp_ptr, num_blocks, BLOCK_M, E_P2, 1024)
 
 
 @triton.jit
@@ -143,14 +160,6 @@ def _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % group_size) % size_m
     pid_n = (pid % group_size) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _expert_of_row(ends_ptr, row0, E, E_P2: tl.constexpr):
-    """Expert owning sorted row ``row0`` (the number of padded expert ends <= row0)."""
-    eo = tl.arange(0, E_P2)
-    ends = tl.load(ends_ptr + eo, mask=eo < E, other=2147483647)
-    return tl.sum((ends <= row0).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -227,14 +236,14 @@ def _quant_fp8(x, scale):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "E", "num_m_blocks", "topk"])
 def moe_gemm1_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, a_scale_ptr, a2_scale_ptr, inter_ptr,
-    sorted_ptr, ends_ptr,
+    sorted_ptr, bexp_ptr,
     P, E, H, I, num_m_blocks, topk,
     stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_im,
     WFMT: tl.constexpr, A_QUANT: tl.constexpr, OUT_FP8: tl.constexpr, ACT: tl.constexpr,
-    EVEN_K: tl.constexpr, E_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     compute_dtype: tl.constexpr,
 ):
@@ -247,10 +256,9 @@ def moe_gemm1_kernel(
     num_n_blocks = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
     row0 = pid_m * BLOCK_M
-    total_rows = tl.load(ends_ptr + E - 1)
-    if row0 >= total_rows:
+    e = tl.load(bexp_ptr + pid_m)
+    if e < 0:
         return
-    e = _expert_of_row(ends_ptr, row0, E, E_P2)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
@@ -316,13 +324,13 @@ def moe_gemm1_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "E", "num_m_blocks"])
 def moe_gemm2_kernel(
     inter_ptr, w_ptr, ws_ptr, ws2_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
-    sorted_ptr, ends_ptr,
+    sorted_ptr, bexp_ptr,
     P, E, H, I, num_m_blocks,
     stride_im, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
-    WFMT: tl.constexpr, EVEN_K: tl.constexpr, E_P2: tl.constexpr,
+    WFMT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     compute_dtype: tl.constexpr,
 ):
@@ -330,10 +338,9 @@ def moe_gemm2_kernel(
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
     row0 = pid_m * BLOCK_M
-    total_rows = tl.load(ends_ptr + E - 1)
-    if row0 >= total_rows:
+    e = tl.load(bexp_ptr + pid_m)
+    if e < 0:
         return
-    e = _expert_of_row(ends_ptr, row0, E, E_P2)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)

@@ -196,19 +196,23 @@ def max_sorted_rows(pairs: int, E: int, block_m: int) -> int:
 
 
 def route(topk_ids: torch.Tensor, E: int, block_m: int):
-    """``(sorted_ids [R] int32, expert_ends [E] int32, R)`` for flattened ``topk_ids``."""
+    """``(sorted_ids [R] int32, block_expert [R / block_m] int32, R)`` for ``topk_ids``.
+
+    ``sorted_ids[row]`` is the pair (``token * topk + k``) of a row, ``P`` on padding rows; rows
+    of expert ``e`` are contiguous and padded to ``block_m``; ``block_expert[b]`` is the expert of
+    row block ``b`` or -1 past the used blocks."""
     ids = topk_ids.reshape(-1)
     P = ids.numel()
     dev = ids.device
     R = max_sorted_rows(P, E, block_m)
     sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
-    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    bexp = torch.empty(R // block_m, dtype=torch.int32, device=dev)
     e_p2 = _p2(E)
     if P <= SMALL_ROUTE_MAX_PAIRS:
         scratch = torch.empty(E, dtype=torch.int32, device=dev)
         p_p2 = max(16, _p2(P))
         K.route_small_kernel[(1,)](
-            ids, sorted_ids, ends, scratch, P, E, R,
+            ids, sorted_ids, bexp, scratch, P, E, R,
             BLOCK_M=block_m, P_P2=p_p2, E_P2=max(16, e_p2), FILL=1024,
             num_warps=4 if p_p2 <= 1024 else 8,
         )
@@ -221,11 +225,11 @@ def route(topk_ids: torch.Tensor, E: int, block_m: int):
         fill_per = triton.cdiv(triton.cdiv(R, grid), block) * block
         K.route_count_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
                                       BLOCK=block, num_warps=4)
-        K.route_offsets_kernel[(1,)](counts, ends, starts, E, BLOCK_M=block_m,
+        K.route_offsets_kernel[(1,)](counts, bexp, starts, E, R // block_m, BLOCK_M=block_m,
                                      E_P2=max(16, e_p2), num_warps=4)
         K.route_scatter_kernel[(grid,)](ids, rank, starts, sorted_ids, P, E, BLOCK=block,
                                         num_warps=4)
-    return sorted_ids, ends, R
+    return sorted_ids, bexp, R
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -278,10 +282,9 @@ def fused_moe_prepared(
 
     cfg = config or get_config(pw.run_as, E, H, I, topk, N)
     bm = cfg["BLOCK_M"]
-    sorted_ids, ends, R = route(topk_ids, E, bm)
+    sorted_ids, bexp, R = route(topk_ids, E, bm)
     P = N * topk
     num_m_blocks = R // bm
-    e_p2 = max(16, _p2(E))
     ctype = _TL_DTYPE.get(compute, tl.bfloat16)
 
     # activations into GEMM 1
@@ -312,14 +315,14 @@ def fused_moe_prepared(
         pw.w13_scale_2 if pw.w13_scale_2 is not None else dummy,
         a_scale if a_scale is not None else dummy,
         pw.a2_scale if pw.a2_scale is not None else dummy,
-        inter, sorted_ids, ends,
+        inter, sorted_ids, bexp,
         P, E, H, I, num_m_blocks, topk,
         x.stride(0), pw.w13.stride(0), pw.w13.stride(1),
         pw.w13_scale.stride(0) if pw.wfmt != K.WFMT_16BIT else 0,
         pw.w13_scale.stride(1) if pw.wfmt != K.WFMT_16BIT else 0,
         inter.stride(0),
         WFMT=pw.wfmt, A_QUANT=a_quant, OUT_FP8=pw.wfmt == K.WFMT_FP8,
-        ACT=_ACT[pw.activation], EVEN_K=even_k1, E_P2=e_p2,
+        ACT=_ACT[pw.activation], EVEN_K=even_k1,
         BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
         compute_dtype=ctype, **_launch_opts(g1),
     )
@@ -332,13 +335,13 @@ def fused_moe_prepared(
         inter, pw.w2, pw.w2_scale if pw.w2_scale is not None else dummy,
         pw.w2_scale_2 if pw.w2_scale_2 is not None else dummy,
         pw.a2_scale if pw.a2_scale is not None else dummy,
-        topk_weights, y, sorted_ids, ends,
+        topk_weights, y, sorted_ids, bexp,
         P, E, H, I, num_m_blocks,
         inter.stride(0), pw.w2.stride(0), pw.w2.stride(1),
         pw.w2_scale.stride(0) if pw.wfmt != K.WFMT_16BIT else 0,
         pw.w2_scale.stride(1) if pw.wfmt != K.WFMT_16BIT else 0,
         y.stride(0),
-        WFMT=pw.wfmt, EVEN_K=even_k2, E_P2=e_p2,
+        WFMT=pw.wfmt, EVEN_K=even_k2,
         BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
         compute_dtype=ctype, **_launch_opts(g2),
     )

@@ -137,14 +137,18 @@ def test_configs_with_larger_blocks(block_m, device):
 
 
 def _check_routing(ids: torch.Tensor, E: int, bm: int):
-    sorted_ids, ends, R = ops.route(ids, E, bm)
+    sorted_ids, bexp, R = ops.route(ids, E, bm)
     flat = ids.reshape(-1).cpu()
     P = flat.numel()
-    sorted_ids, ends = sorted_ids.cpu(), ends.cpu()
+    sorted_ids, bexp = sorted_ids.cpu(), bexp.cpu()
     counts = torch.bincount(flat[(flat >= 0) & (flat < E)].long(), minlength=E)
     padded = (counts + bm - 1) // bm * bm
-    assert torch.equal(ends.long(), torch.cumsum(padded, 0))
-    assert R >= int(ends[-1]) and R % bm == 0
+    ends = torch.cumsum(padded, 0)
+    assert R >= int(ends[-1]) and R % bm == 0 and bexp.numel() == R // bm
+    want = torch.full((R // bm,), -1, dtype=torch.int32)
+    for e in range(E):
+        want[int(ends[e] - padded[e]) // bm: int(ends[e]) // bm] = e
+    assert torch.equal(bexp, want)
     starts = ends - padded
     seen = torch.zeros(P, dtype=torch.bool)
     for e in range(E):
