@@ -154,6 +154,8 @@ class CommSupport:
     :param layout: the token layout ``dispatch`` produces in this mode.
     :param payloads: activation payloads it can carry.
     :param min_world_size: smallest expert-parallel group; ``max_world_size``: largest (None: any).
+    :param world_sizes: the exact group sizes allowed, when not a range (``{2, 4, 8}``); ``None``
+        means every size from ``min_world_size`` to ``max_world_size``.
     :param max_tokens_per_rank: per-rank token bound of this mode (None: unbounded).
     :param hardware: where it runs.
     :param mode: a short name of the mode (``"normal"``, ``"low_latency"``).
@@ -166,6 +168,18 @@ class CommSupport:
     max_tokens_per_rank: int | None = None
     hardware: Hardware = attrs.field(factory=Hardware)
     mode: str = "default"
+    world_sizes: frozenset[int] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(frozenset))
+
+    def allows_world_size(self, n: int) -> bool:
+        if self.world_sizes is not None:
+            return n in self.world_sizes
+        return n >= self.min_world_size and (self.max_world_size is None or n <= self.max_world_size)
+
+    def describe_world_sizes(self) -> str:
+        if self.world_sizes is not None:
+            return ", ".join(str(n) for n in sorted(self.world_sizes))
+        return f"{self.min_world_size}-{self.max_world_size or 'any'}"
 
 
 @attrs.frozen
@@ -231,7 +245,7 @@ def describe_comm_support(s: CommSupport) -> dict:
         "mode": s.mode,
         "layout": s.layout,
         "payloads": sorted(s.payloads),
-        "world_size": f"{s.min_world_size}-{s.max_world_size or 'any'}",
+        "world_size": s.describe_world_sizes(),
         "max_tokens_per_rank": s.max_tokens_per_rank,
         "devices": sorted(s.hardware.devices),
         "cuda_capabilities": s.hardware.describe_capabilities(),

@@ -245,12 +245,10 @@ def evaluate_comm(
         hw = _check_hardware(s.hardware, env)
         if hw is not None:
             failures.append(hw)
-        elif dep.ep_size < s.min_world_size or (
-            s.max_world_size is not None and dep.ep_size > s.max_world_size
-        ):
+        elif not s.allows_world_size(dep.ep_size):
             failures.append((Reason.WORLD_SIZE, (
-                f"mode {s.mode} runs with {s.min_world_size} to {s.max_world_size or 'any'} "
-                f"expert-parallel ranks; the deployment has {dep.ep_size}"
+                f"mode {s.mode} runs with {s.describe_world_sizes()} expert-parallel ranks; the "
+                f"deployment has {dep.ep_size}"
             )))
         elif s.max_tokens_per_rank is not None and dep.max_tokens_per_rank > s.max_tokens_per_rank:
             failures.append((Reason.TOKEN_BOUND, (

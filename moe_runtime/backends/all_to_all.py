@@ -39,8 +39,11 @@ def expert_owner_table(num_experts: int, world: int, device) -> tuple[torch.Tens
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Rows of any dtype as uint8 rows (gloo does not carry bf16 or fp8)."""
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    """Rows of any dtype as uint8 rows (gloo does not carry bf16 or fp8); zero rows allowed."""
+    width = t.element_size()
+    for d in t.shape[1:]:
+        width *= d
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:

@@ -175,8 +175,7 @@ def _hw_matches(s: Support, env: Environment) -> bool:
 def comm_cases(registry: Registry, spec: CommBackendSpec) -> list[CommCase]:
     out = []
     for s in spec.supports:
-        sizes = [n for n in (1, 2, 4) if n >= s.min_world_size
-                 and (s.max_world_size is None or n <= s.max_world_size)]
+        sizes = [n for n in (1, 2, 4) if s.allows_world_size(n)]
         for payload in sorted(s.payloads):
             for ws in sizes:
                 out.append(CommCase(spec.name, s.mode, s.layout, payload, ws))

@@ -61,27 +61,25 @@ DESCRIPTION = (
 def build_spec(settings: DeepEPSettings | None = None) -> CommBackendSpec:
     """The declaration for ``settings`` (default: read from the environment)."""
     settings = DeepEPSettings.from_env() if settings is None else settings
-    modes: list[CommSupport] = []
-    for lo, hi in limits.low_latency_world_sizes():
-        modes.append(CommSupport(
+    ll_sizes = {n for lo, hi in limits.low_latency_world_sizes() for n in range(lo, hi + 1)}
+    modes = [
+        CommSupport(
             layout=F.MASKED,
             payloads=(F.UNQUANTIZED,),
-            min_world_size=lo,
-            max_world_size=hi,
+            world_sizes=ll_sizes,
             max_tokens_per_rank=settings.ll_max_tokens_per_rank,
             hardware=HOPPER_PLUS,
             mode=MODE_LOW_LATENCY,
-        ))
-    for world in limits.NORMAL_INTRANODE_WORLD_SIZES:
-        modes.append(CommSupport(
+        ),
+        CommSupport(
             layout=F.TOKEN_MAJOR,
             payloads=(F.UNQUANTIZED, F.FP8),
-            min_world_size=world,
-            max_world_size=world,
+            world_sizes=limits.NORMAL_INTRANODE_WORLD_SIZES,
             max_tokens_per_rank=None,
             hardware=HOPPER_PLUS,
             mode=MODE_NORMAL,
-        ))
+        ),
+    ]
     return CommBackendSpec(
         name=NAME,
         factory=FACTORY,

@@ -50,10 +50,9 @@ def test_modes_layouts_payloads_and_world_sizes():
     assert all(m.payloads == {F.UNQUANTIZED, F.FP8} for m in normal)
     assert all(m.max_tokens_per_rank == 128 for m in ll)
     assert all(m.max_tokens_per_rank is None for m in normal)
-    assert [(m.min_world_size, m.max_world_size) for m in normal] == [(2, 2), (4, 4), (8, 8)]
-    assert [(m.min_world_size, m.max_world_size) for m in ll] == \
-        [(2, 7)] + [(w, w) for w in range(8, 65, 8)]
-    assert all(m.min_world_size >= 2 for m in spec.supports)
+    assert [m.world_sizes for m in normal] == [{2, 4, 8}]
+    assert [m.world_sizes for m in ll] == [set(range(2, 8)) | set(range(8, 65, 8))]
+    assert not any(m.allows_world_size(1) for m in spec.supports)
     for m in spec.supports:
         d = describe_comm_support(m)
         assert d["devices"] == ["cuda"] and d["cuda_capabilities"] == "9.0+"
@@ -89,5 +88,5 @@ def test_cli_lists_the_modes():
     out = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "plugins"], capture_output=True,
                          text=True, check=True, env=env, timeout=120).stdout
     assert "deepep (moe-runtime-deepep 0.1.0): loaded" in out
-    assert "mode low_latency: layout masked; payloads unquantized; world size 2-7" in out
-    assert "mode normal: layout token_major; payloads fp8,unquantized; world size 8-8" in out
+    assert "mode low_latency: layout masked; payloads unquantized; world size 2, 3, 4, 5, 6, 7, 8, 16" in out
+    assert "mode normal: layout token_major; payloads fp8,unquantized; world size 2, 4, 8;" in out
