@@ -112,6 +112,7 @@ def get_plugin_manager(
 
     if autoload:
         _load_entrypoints(pm, blocked=blocked, strict=strict)
+        _drop_invalid_entrypoints(pm, strict=strict)
     for plugin in plugins:
         pm.register(plugin)
         pm.plugin_infos.append(
@@ -161,6 +162,23 @@ def _load_entrypoints(pm: MoEPluginManager, *, blocked: frozenset[str], strict: 
             )
             continue
         pm.plugin_infos.append(PluginInfo(ep.name, dist, version, ep.value, "loaded"))
+
+
+def _drop_invalid_entrypoints(pm: MoEPluginManager, *, strict: bool) -> None:
+    """A plugin implementing a hook that does not exist (a misspelling) is a load failure: it is
+    unregistered and reported, or fatal in strict mode."""
+    while True:
+        try:
+            pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = pm.get_name(exc.plugin)
+            if strict or name is None:
+                raise PluginError(f"plugin {name!r}: {exc}") from exc
+            pm.unregister(exc.plugin)
+            for k, info in enumerate(pm.plugin_infos):
+                if info.name == name:
+                    pm.plugin_infos[k] = attrs.evolve(info, status="failed", error=str(exc))
 
 
 @attrs.frozen

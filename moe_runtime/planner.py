@@ -302,16 +302,8 @@ def _derive_payload(
     return best, f"payload {best}"
 
 
-def plan_layer(
-    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
-) -> tuple[LayerPlan, list[Rejection]]:
-    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it."""
-    if p.format not in registry.formats:
-        raise PlanError(
-            f"layer {p.name}: format {p.format!r} is not registered by any plugin; registered "
-            f"formats: {', '.join(sorted(registry.formats))}"
-        )
-    dep = deployment
+def check_deployment(registry: Registry, dep: Deployment) -> None:
+    """Pinned names must be registered; a clear error lists the ones that are."""
     for pinned, table, role, flag in (
         (dep.experts_backend, registry.experts, "experts", "--moe-runner-backend"),
         (dep.comm_backend, registry.comms, "communication", "--moe-a2a-backend"),
@@ -326,6 +318,22 @@ def plan_layer(
             f"payload {dep.payload!r} is not registered; registered payloads: "
             f"{', '.join(sorted(registry.payloads))}"
         )
+    if dep.ep_size < 1:
+        raise PlanError(f"expert-parallel size must be at least 1, got {dep.ep_size}")
+
+
+def plan_layer(
+    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
+) -> tuple[LayerPlan, list[Rejection]]:
+    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it."""
+    if p.format not in registry.formats:
+        raise PlanError(
+            f"layer {p.name}: format {p.format!r} is not registered by any plugin; registered "
+            f"formats: {', '.join(sorted(registry.formats))}"
+        )
+    check_deployment(registry, deployment)
+    dep = deployment
+
 
     rejections: list[Rejection] = []
     experts_ok: list[_ExpertsOption] = []
@@ -449,6 +457,7 @@ def plan_model(
     deployment: Deployment = Deployment(),
 ) -> Plan:
     """Plan every MoE layer; one :class:`PlanError` naming every layer that cannot be planned."""
+    check_deployment(registry, deployment)
     layers, rejections, errors = [], [], []
     for p in problems:
         try:

@@ -30,7 +30,7 @@ class Shape:
     intermediate: int
     experts: int
     top_k: int
-    routing: str = "random"  # "random" | "one_expert" | "skip_experts"
+    routing: str = "random"  # "random" | "one_expert" | "skip_experts" | "remote_slots"
 
 
 SHAPES = (
@@ -40,6 +40,8 @@ SHAPES = (
     Shape("zero_tokens", 0, 64, 32, 4, 2),
     Shape("odd_hidden", 7, 80, 48, 6, 3),
     Shape("batch", 33, 128, 64, 8, 2),
+    # experts on other ranks: some top-k ids are -1 (token-major only)
+    Shape("remote_slots", 10, 64, 32, 8, 3, "remote_slots"),
 )
 
 
@@ -104,6 +106,8 @@ def experts_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[ExpertsC
                         if not _payload_allowed(registry, runs_as, payload):
                             continue
                         for shape in SHAPES:
+                            if shape.routing == "remote_slots" and layout != F.TOKEN_MAJOR:
+                                continue
                             if _shape_ok(s, fmt, shape):
                                 out.append(ExpertsCase(spec.name, fmt, runs_as, act, layout,
                                                        payload, shape, i))

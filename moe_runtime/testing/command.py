@@ -12,13 +12,9 @@ def add_conformance_command(sub) -> None:
         description="Run the moe-runtime conformance suite on one or more registered backends. "
         "Extra arguments after -- go to pytest (e.g. -- -x -k nvfp4).",
     )
-    p.add_argument("backends", nargs="+", metavar="NAME")
-    p.add_argument("pytest_args", nargs="*", default=[], help=argparse_remainder_help())
+    p.add_argument("backends", nargs="+", metavar="NAME [-- PYTEST_ARGS]",
+                   help="backends to check; arguments after -- go to pytest")
     p.set_defaults(func=run_conformance)
-
-
-def argparse_remainder_help() -> str:
-    return "arguments passed to pytest (put them after --)"
 
 
 def run_conformance(args) -> int:
@@ -26,11 +22,20 @@ def run_conformance(args) -> int:
 
     from moe_runtime.testing import suite
 
+    # Backend names never start with "-": the first token that does begins pytest's arguments
+    # (argparse hands everything after "--" to the positional list).
+    names, extra = [], []
+    for token in args.backends:
+        (extra if extra or token.startswith("-") else names).append(token)
+    if not names:
+        print("conformance: name at least one backend (see `moe-runtime plugins`)",
+              file=sys.stderr)
+        return 2
     argv = [suite.__file__, "-p", "moe_runtime.testing.plugin", "-q", "-rs",
             "-p", "no:cacheprovider"]
-    for name in args.backends:
+    for name in names:
         argv += ["--moe-conformance", name]
-    argv += list(args.pytest_args)
+    argv += extra
     code = pytest.main(argv)
     if code == 5:
         print("conformance: no test ran", file=sys.stderr)

@@ -31,6 +31,10 @@ def routing(shape: Shape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
         pool = e if shape.routing == "random" else max(k, e // 2)  # upper experts idle
         scores = torch.rand((n, pool), generator=gen)
         ids = scores.topk(k, dim=-1).indices.to(torch.int32)
+    if shape.routing == "remote_slots":
+        remote = torch.rand((n, k), generator=gen) < 0.4
+        remote[0] = True  # a token none of whose experts is local
+        ids = ids.masked_fill(remote, -1)
     w = torch.rand((n, k), generator=gen) + 0.1
     w = w / w.sum(-1, keepdim=True)
     return ids, w.float()
@@ -40,6 +44,12 @@ def make_layer(case: ExpertsCase, gen: torch.Generator):
     """Random float weights and inputs for a case, quantized to the case's format."""
     from moe_runtime.reference_math import quantize_expert_weights
 
+    from moe_runtime.formats import BUILTIN_FORMATS
+
+    if case.format not in {f.name for f in BUILTIN_FORMATS}:
+        raise ConformanceSkip(
+            f"format {case.format!r} is registered by a plugin; the suite can only make weights "
+            "of the built-in formats (bf16, fp16, fp8_w8a8, nvfp4_w4a4, nvfp4_w4a16)")
     s = case.shape
     h, i, e = s.hidden, s.intermediate, s.experts
     w13 = torch.randn((e, 2 * i, h), generator=gen) / h**0.5

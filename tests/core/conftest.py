@@ -34,6 +34,14 @@ BROKEN_PLUGIN = '''
     raise ImportError("this plugin is broken on purpose")
 '''
 
+TYPO_PLUGIN = '''
+    from moe_runtime import hookimpl
+
+    @hookimpl
+    def moe_runtime_register_backend(register):  # misspelled: the hook ends in "backends"
+        pass
+'''
+
 COLLIDING_PLUGIN = '''
     from moe_runtime import hookimpl, ExpertsBackendSpec, Support
 
@@ -54,6 +62,8 @@ def plugin_site(tmp_path_factory) -> Path:
                           GOOD_PLUGIN),
         build_plugin_dist(root, "moe-runtime-broken-test", "broken_plugin", "broken_test",
                           BROKEN_PLUGIN),
+        build_plugin_dist(root, "moe-runtime-typo-test", "typo_plugin", "typo_test",
+                          TYPO_PLUGIN),
     ]
     pip_install_target(srcs, target)
     return target

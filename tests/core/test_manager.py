@@ -47,6 +47,16 @@ def test_broken_plugin_is_fatal_in_strict_mode(plugin_site, with_site):
         get_plugin_manager(strict=True, environ={})
 
 
+def test_misspelled_hook_in_an_installed_plugin_is_reported_not_fatal(plugin_site, with_site):
+    with_site(plugin_site)
+    pm = get_plugin_manager(environ={})
+    info = _infos(pm)["typo_test"]
+    assert info.status == "failed" and "moe_runtime_register_backend" in info.error
+    assert not pm.has_plugin("typo_test")
+    with pytest.raises(PluginError, match="typo_test"):
+        get_plugin_manager(strict=True, blocked=["broken_test"], environ={})
+
+
 def test_strict_mode_from_environment(plugin_site, with_site):
     with_site(plugin_site)
     with pytest.raises(PluginError):
@@ -56,7 +66,7 @@ def test_strict_mode_from_environment(plugin_site, with_site):
 def test_blocked_plugin_is_not_imported(plugin_site, with_site):
     with_site(plugin_site)
     sys.modules.pop("broken_plugin", None)
-    pm = get_plugin_manager(blocked=["broken_test"], strict=True, environ={})
+    pm = get_plugin_manager(blocked=["broken_test", "typo_test"], strict=True, environ={})
     assert _infos(pm)["broken_test"].status == "blocked"
     assert "broken_plugin" not in sys.modules
 
@@ -157,6 +167,22 @@ def test_cli_plugins_blocks_with_dash_p(plugin_site):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert "sm100_nvfp4" not in {b["name"] for b in data["experts_backends"]}
+
+
+def test_conformance_command_passes_arguments_after_dashes_to_pytest():
+    r = run_cli("conformance", "local", "--", "-k", "ws1 and unquantized")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # -k reached pytest: the two local modes' round trips ran, the other tests were deselected
+    assert "2 passed, 3 deselected" in r.stdout
+
+
+def test_unknown_pinned_backend_is_reported_once(tmp_path):
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="bf16", num_layers=3)
+    r = run_cli("plan", str(ckpt), "--moe-runner-backend", "nope")
+    assert r.returncode == 1
+    assert r.stderr.count("'nope' is not a registered experts backend") == 1
 
 
 def test_cli_strict_plugins_fails_on_broken(plugin_site):
