@@ -21,8 +21,8 @@ Pipeline of one forward (token-major layout, ``P = N * topk`` (token, expert) pa
 
 Weight formats (``WFMT``): 0 = 16-bit (bf16/fp16/fp32 as the activations), 1 = FP8 e4m3 with
 per-row float32 scales, 2 = NVFP4 (packed E2M1, low nibble = even column, e4m3 block scales of 16,
-per-expert ``scale_2``), dequantized in the main loop to the activation dtype; the weights stay
-4-bit in memory.
+per-expert ``scale_2``), dequantized in the main loop to float16 (activations are converted to
+float16 for the MMA, the intermediate is float16); the weights stay 4-bit in memory.
 """
 
 from __future__ import annotations
@@ -94,6 +94,37 @@ def route_small_kernel(
     tl.store(scratch_ptr + eo, ends - padded, mask=emask)
     tl.debug_barrier()
     start_row = tl.load(scratch_ptr + e, mask=valid, other=0, cache_modifier=".cg")
+    tl.store(sorted_ptr + start_row + rank, po, mask=valid)
+
+
+@triton.jit
+def route_tiny_kernel(
+    ids_ptr, sorted_ptr, bexp_ptr,
+    P, E, max_rows,
+    BLOCK_M: tl.constexpr, P_P2: tl.constexpr, E_P2: tl.constexpr, FILL: tl.constexpr,
+):
+    """Decode sizes (``P <= P_P2 <= 64``): ranks, counts and offsets in registers (pairwise
+    comparisons), no atomics and no global round trips between the phases."""
+    po = tl.arange(0, P_P2)
+    pmask = po < P
+    e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (e >= 0) & (e < E)
+    e = tl.where(valid, e, -1)
+    pj = tl.arange(0, P_P2)
+    ej = tl.load(ids_ptr + pj, mask=pj < P, other=-1).to(tl.int32)
+    ej = tl.where((pj < P) & (ej >= 0) & (ej < E), ej, -2)
+    rank = tl.sum(((e[:, None] == ej[None, :]) & (pj[None, :] < po[:, None])).to(tl.int32), axis=1)
+    eo = tl.arange(0, E_P2)
+    onehot = e[:, None] == eo[None, :]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    start_row = tl.sum(tl.where(onehot, starts[None, :], 0), axis=1)
+    for c in range(0, max_rows, FILL):
+        fo = c + tl.arange(0, FILL)
+        tl.store(sorted_ptr + fo, tl.zeros([FILL], dtype=tl.int32) + P, mask=fo < max_rows)
+    _write_block_map(ends, padded, eo < E, bexp_ptr, max_rows // BLOCK_M, BLOCK_M, E_P2, FILL)
     tl.store(sorted_ptr + start_row + rank, po, mask=valid)
 
 
@@ -184,28 +215,42 @@ def _load_b_tile(
 ):
     """Tile ``[BLOCK_K, BLOCK_N]`` of ``W^T`` rows ``offs_n`` (``W [rows, K]``, K contiguous)."""
     if WFMT == 2:
-        offs_kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kp[None, :]
+        # Packed weights read as int32 words (8 E2M1 codes each; byte j holds columns 2j, 2j+1,
+        # low nibble first). Each int32 op below builds two float16 bit patterns at once: the
+        # codes of columns (c, c + 4) of a word land in the low and high halves. A float16 with
+        # sign at bit 15 and (exponent, mantissa) at bits 11..9 is the E2M1 value times 2**-14
+        # (exact; subnormal for exponent 0).
+        offs_kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kw[None, :]
         if EVEN_K:
-            packed = tl.load(ptrs, mask=n_mask[:, None], other=0)
+            wd = tl.load(ptrs, mask=n_mask[:, None], other=0)
         else:
-            packed = tl.load(ptrs, mask=n_mask[:, None] & (offs_kp[None, :] < K // 2), other=0)
-        packed = packed.to(tl.int32)
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))
-        # E2M1 -> float16 bits: sign to bit 15, (exp, mantissa) to bits 11..9; that float16 is
-        # the E2M1 value times 2**-14 (exact, subnormal for exp == 0).
-        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-        vals = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            wd = tl.load(ptrs, mask=n_mask[:, None] & (offs_kw[None, :] < K // 8), other=0)
+        MAG: tl.constexpr = 0x0E000E00
+        SGN: tl.constexpr = -2147450880  # 0x80008000 as int32
+        p0 = ((wd << 9) & MAG) | ((wd << 12) & SGN)  # columns 0, 4
+        p1 = ((wd << 5) & MAG) | ((wd << 8) & SGN)  # columns 1, 5
+        p2 = ((wd << 1) & MAG) | ((wd << 4) & SGN)  # columns 2, 6
+        p3 = ((wd >> 3) & MAG) | (wd & SGN)  # columns 3, 7
+        a0 = tl.join(p0.to(tl.int16), (p0 >> 16).to(tl.int16))
+        a1 = tl.join(p1.to(tl.int16), (p1 >> 16).to(tl.int16))
+        a2 = tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))
+        a3 = tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))
+        # [BN, BK/8, 2, 2, 2] with column offset 4a + 2b + c inside a word -> natural order
+        bits = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+        vals = tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float16, bitcast=True)
         offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         sptrs = ws_ptr + ws_base + offs_n[:, None] * stride_wsn + offs_ks[None, :]
         if EVEN_K:
             sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
         else:
             sbytes = tl.load(sptrs, mask=n_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
-        scale = _e4m3_to_f32(sbytes) * 16384.0
+        # block scale * 2**7 fits float16 (<= 57344); the product below is E2M1 * scale * 2**-7,
+        # exact in float16 for all but near-zero blocks; the epilogue multiplies by 2**7 * scale_2.
+        scale = (_e4m3_to_f32(sbytes) * 128.0).to(tl.float16)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)),
                            (BLOCK_N, BLOCK_K))
-        w = (vals * scale).to(compute_dtype)
+        w = vals * scale
         return tl.trans(w)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -217,18 +262,24 @@ def _load_b_tile(
 
 
 @triton.jit
-def _quant_fp8(x, scale):
-    """Round-to-nearest-even of ``x / scale`` (an exact division, as the reference divides)."""
-    q = tl.math.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + scale)
-    q = tl.clamp(q, -448.0, 448.0)
-    # Round to the e4m3 grid in float32 first (step 2**(exponent - 3), 2**-9 below the normal
-    # range), so that the final conversion is exact whatever the converter's rounding does.
-    exp = (q.to(tl.int32, bitcast=True) >> 23) & 255
-    step_exp = tl.maximum(exp, 121) - 3
-    step = (step_exp << 23).to(tl.float32, bitcast=True)
-    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
-    r = (q * inv_step + 12582912.0) - 12582912.0
-    return (r * step).to(tl.float8e4nv)
+def _quant_fp8(x, scale, inv_scale, EXACT: tl.constexpr):
+    """float8 e4m3 of ``x / scale``, saturated to +-448.
+
+    ``EXACT`` (the interpreter, whose float8 conversion mis-rounds some values): an exact division
+    and a rounding to the e4m3 grid in float32 first, so the conversion itself is exact. On GPUs
+    the hardware conversion rounds to nearest even and the reciprocal is used.
+    """
+    if EXACT:
+        q = tl.math.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + scale)
+        q = tl.clamp(q, -448.0, 448.0)
+        exp = (q.to(tl.int32, bitcast=True) >> 23) & 255
+        step_exp = tl.maximum(exp, 121) - 3
+        step = (step_exp << 23).to(tl.float32, bitcast=True)
+        inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+        r = (q * inv_step + 12582912.0) - 12582912.0
+        return (r * step).to(tl.float8e4nv)
+    else:
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,7 +294,7 @@ def moe_gemm1_kernel(
     P, E, H, I, num_m_blocks, topk,
     stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_im,
     WFMT: tl.constexpr, A_QUANT: tl.constexpr, OUT_FP8: tl.constexpr, ACT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     compute_dtype: tl.constexpr,
 ):
@@ -278,6 +329,7 @@ def moe_gemm1_kernel(
 
     if WFMT == 1:
         a_scale = tl.load(a_scale_ptr)
+        inv_a = 1.0 / a_scale
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -288,7 +340,9 @@ def moe_gemm1_kernel(
         else:
             a = tl.load(x_ptrs, mask=row_valid[:, None] & (offs_k[None, :] < H - k0), other=0.0)
         if A_QUANT == 2:
-            a = _quant_fp8(a, a_scale)
+            a = _quant_fp8(a, a_scale, inv_a, EXACT)
+        if A_QUANT == 0:
+            a = a.to(compute_dtype)
         b_g = _load_b_tile(w_ptr, ws_ptr, w_base_g, ws_base_g, offs_n, k0, H, stride_wn,
                            stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
         b_u = _load_b_tile(w_ptr, ws_ptr, w_base_u, ws_base_u, offs_n, k0, H, stride_wn,
@@ -303,7 +357,7 @@ def moe_gemm1_kernel(
         acc_g = acc_g * (sg * a_scale)[None, :]
         acc_u = acc_u * (su * a_scale)[None, :]
     if WFMT == 2:
-        s2 = tl.load(ws2_ptr + e)
+        s2 = tl.load(ws2_ptr + e) * 128.0
         acc_g = acc_g * s2
         acc_u = acc_u * s2
     if ACT == 0:
@@ -314,7 +368,8 @@ def moe_gemm1_kernel(
     i_ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
     i_mask = n_mask[None, :]
     if OUT_FP8:
-        tl.store(i_ptrs, _quant_fp8(h, tl.load(a2_scale_ptr)), mask=i_mask)
+        a2 = tl.load(a2_scale_ptr)
+        tl.store(i_ptrs, _quant_fp8(h, a2, 1.0 / a2, EXACT), mask=i_mask)
     else:
         tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=i_mask)
 
@@ -371,7 +426,7 @@ def moe_gemm2_kernel(
         s = tl.load(ws_ptr + ws_base + offs_n * stride_wsn, mask=n_mask, other=0.0)
         acc = acc * (s * tl.load(a2_scale_ptr))[None, :]
     if WFMT == 2:
-        acc = acc * tl.load(ws2_ptr + e)
+        acc = acc * (tl.load(ws2_ptr + e) * 128.0)
     rw = tl.load(topk_w_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     y_ptrs = y_ptr + tl.where(row_valid, pair, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -401,8 +456,9 @@ def moe_finalize_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_ym, stride_om,
 
 
 @triton.jit
-def quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+def quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, EXACT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     x = tl.load(x_ptr + offs, mask=m, other=0.0)
-    tl.store(q_ptr + offs, _quant_fp8(x, tl.load(scale_ptr)), mask=m)
+    sc = tl.load(scale_ptr)
+    tl.store(q_ptr + offs, _quant_fp8(x, sc, 1.0 / sc, EXACT), mask=m)

@@ -34,7 +34,9 @@ _RUNS = {
 _ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
+TINY_ROUTE_MAX_PAIRS = 64
 SMALL_ROUTE_MAX_PAIRS = 4096
+EXACT_FP8 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CONFIG_FILE = Path(__file__).with_name("configs.json")
 
 
@@ -110,9 +112,13 @@ def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeig
         w2s = w.w2_scale.contiguous().view(torch.uint8)
         w13s2 = f32(w.w13_scale_2).reshape(-1).expand(E).contiguous()
         w2s2 = f32(w.w2_scale_2).reshape(-1).expand(E).contiguous()
+    w13, w2 = w.w13.contiguous(), w.w2.contiguous()
+    if wfmt == K.WFMT_NVFP4:
+        # the kernels read packed codes as int32 words (8 codes per word)
+        w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
     return PreparedWeights(
         run_as=run_as, wfmt=wfmt, activation=w.activation,
-        w13=w.w13.contiguous(), w2=w.w2.contiguous(),
+        w13=w13, w2=w2,
         w13_scale=w13s, w2_scale=w2s, w13_scale_2=w13s2, w2_scale_2=w2s2,
         a13_scale=a13, a2_scale=a2, num_experts=E, hidden_size=H, intermediate_size=I,
     )
@@ -208,7 +214,12 @@ def route(topk_ids: torch.Tensor, E: int, block_m: int):
     sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
     bexp = torch.empty(R // block_m, dtype=torch.int32, device=dev)
     e_p2 = _p2(E)
-    if P <= SMALL_ROUTE_MAX_PAIRS:
+    if P <= TINY_ROUTE_MAX_PAIRS:
+        K.route_tiny_kernel[(1,)](
+            ids, sorted_ids, bexp, P, E, R,
+            BLOCK_M=block_m, P_P2=max(16, _p2(P)), E_P2=max(16, e_p2), FILL=256, num_warps=4,
+        )
+    elif P <= SMALL_ROUTE_MAX_PAIRS:
         scratch = torch.empty(E, dtype=torch.int32, device=dev)
         p_p2 = max(16, _p2(P))
         K.route_small_kernel[(1,)](
@@ -268,8 +279,8 @@ def fused_moe_prepared(
         if hidden.dtype != compute:
             hidden = hidden.to(compute)
     elif pw.wfmt == K.WFMT_NVFP4:
-        compute = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-            else torch.bfloat16
+        # dequantized weights are exact in float16 (see kernels._load_b_tile)
+        compute = torch.float16
     else:
         compute = torch.float8_e4m3fn
     out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
@@ -296,7 +307,7 @@ def fused_moe_prepared(
             x = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device=hidden.device)
             blk = 4096
             K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
-                hidden, x, a_scale, hidden.numel(), BLOCK=blk, num_warps=8)
+                hidden, x, a_scale, hidden.numel(), BLOCK=blk, EXACT=EXACT_FP8, num_warps=8)
             a_quant = 1
         else:
             x, a_quant = hidden, 2
@@ -322,7 +333,7 @@ def fused_moe_prepared(
         pw.w13_scale.stride(1) if pw.wfmt != K.WFMT_16BIT else 0,
         inter.stride(0),
         WFMT=pw.wfmt, A_QUANT=a_quant, OUT_FP8=pw.wfmt == K.WFMT_FP8,
-        ACT=_ACT[pw.activation], EVEN_K=even_k1,
+        ACT=_ACT[pw.activation], EVEN_K=even_k1, EXACT=EXACT_FP8,
         BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
         compute_dtype=ctype, **_launch_opts(g1),
     )

@@ -161,6 +161,11 @@ def _check_routing(ids: torch.Tensor, E: int, bm: int):
     assert torch.equal(seen, (flat >= 0) & (flat < E))
 
 
+def test_routing_tiny_path(device):
+    ids = torch.tensor([[3, -1, 3], [0, 3, 5], [5, 5, -1]], device=device, dtype=torch.int32)
+    _check_routing(ids, 6, 16)
+
+
 def test_routing_small_path(device):
     ids = torch.randint(-1, 6, (37, 3), device=device, dtype=torch.int32)
     _check_routing(ids, 6, 16)
