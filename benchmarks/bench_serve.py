@@ -1,0 +1,434 @@
+"""Serving benchmark: request throughput and time to first token, moe-runtime vs transformers alone.
+
+Drives :class:`moe_runtime.serve.engine.Engine`, the code path the HTTP server (``moe-runtime
+serve``) runs behind its routes: transformers' continuous batching, per-request sampling and
+incremental detokenization, with ``N`` concurrent clients in this process (no HTTP, so the numbers
+are the engine's, not the web stack's). Two sides, on the same checkpoint, in the same process:
+
+- ``moe-runtime``: :func:`~moe_runtime.serve.loading.load_for_serving` as the server calls it: every
+  MoE layer through moe-runtime's plan (the backend the planner picks, or ``--moe-runner-backend``).
+- ``transformers``: ``load_for_serving(..., transformers_experts=True)``: the same checkpoint in
+  transformers alone, its default experts implementation on dequantized weights, driven by the
+  same engine (the same continuous batching), so the difference is what runs the experts.
+
+Workload: each client sends ``--requests-per-client`` requests one after another (closed loop);
+every prompt is ``--prompt-len`` tokens of real text (a different window per request), decoding is
+greedy, and EOS is ignored so every request generates exactly ``--max-tokens`` tokens (both sides do
+the same work whatever their numerics). Every engine start is warmed up (one short wave per client
+count) before it is measured; the sides alternate in each repetition (ABBA) so slow drift on a
+shared machine hits both. Reported per client count: requests/s and output tokens/s (medians over
+repetitions), time to first token (median and p90 over all measured requests, from submission to
+the engine to the first generated token), time per output token after the first (median), and how
+many requests produced the same greedy tokens on both sides.
+
+Writes ``bench_serve.json`` (everything, raw per-repetition numbers included) and
+``bench_serve.md`` (the table) under ``--out``.
+
+Examples::
+
+    python benchmarks/bench_serve.py --out /tmp/serve-cpu                     # the default model
+    python benchmarks/bench_serve.py --quick --out /tmp/serve-quick
+    python benchmarks/bench_serve.py --model /tmp/qwen3-30b-a3b-4l --device cuda --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SIDES = ("moe-runtime", "transformers")
+
+# Prompt material: any text the tokenizer can encode; requests take different windows of it.
+_TEXT = (
+    "A mixture of experts layer sends every token to a few of its experts. A router scores the "
+    "experts, keeps the top ones, and the layer adds their outputs, weighted by the router. Each "
+    "expert is a small feed-forward network with a gate projection, an up projection and a down "
+    "projection. The quick brown fox jumps over the lazy dog. Once upon a time there was a small "
+    "model that lived on a laptop. It answered questions, told stories and counted numbers: one, "
+    "two, three, four, five, six, seven, eight, nine, ten. The server listens on a port, reads "
+    "requests as JSON, and streams tokens back as events. Hello, world! How are you today? "
+)
+
+
+def _percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _median(values) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` distinct prompts of exactly ``length`` tokens (windows of one long text)."""
+    base = list(tokenizer(_TEXT, add_special_tokens=False)["input_ids"])
+    while len(base) < length + 7 * count + 1:
+        base = base + base
+    return [base[7 * i: 7 * i + length] for i in range(count)]
+
+
+# ----------------------------------------------------------------------------------- measuring
+
+
+async def _request(engine, prompt_ids, max_tokens: int, sampling) -> dict:
+    start = time.perf_counter()
+    seen_first = None
+    last = None
+    async for delta in engine.generate(prompt_ids, max_tokens=max_tokens, sampling=sampling):
+        if seen_first is None and delta.token_ids:
+            seen_first = time.perf_counter() - start
+        last = delta
+    latency = time.perf_counter() - start
+    ttft = last.first_token_s if last.first_token_s is not None else seen_first
+    n = len(last.token_ids)
+    tpot = (latency - ttft) / (n - 1) if n > 1 and ttft is not None else None
+    return {"ttft_s": ttft, "latency_s": latency, "tokens": n, "tpot_s": tpot,
+            "finish_reason": last.finish_reason, "token_ids": list(last.token_ids)}
+
+
+async def _wave(engine, prompts, *, clients: int, per_client: int, max_tokens: int, bar=None):
+    from moe_runtime.serve.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    results: list[dict | None] = [None] * (clients * per_client)
+
+    async def client(c: int) -> None:
+        for k in range(per_client):
+            i = c * per_client + k
+            results[i] = await _request(engine, prompts[i % len(prompts)], max_tokens, greedy)
+            results[i]["prompt"] = i % len(prompts)
+            if bar is not None:
+                bar.update(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    wall = time.perf_counter() - start
+    return wall, results
+
+
+def _summarize(wall: float, results: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "wall_s": wall,
+        "requests": len(results),
+        "output_tokens": tokens,
+        "req_per_s": len(results) / wall,
+        "out_tok_per_s": tokens / wall,
+        "ttft_s": [r["ttft_s"] for r in results],
+        "tpot_s": [r["tpot_s"] for r in results if r["tpot_s"] is not None],
+        "latency_s": [r["latency_s"] for r in results],
+        "tokens_per_request": sorted({r["tokens"] for r in results}),
+    }
+
+
+def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
+    """Start an engine on ``loaded``, warm it up, measure every client count, shut it down."""
+    from moe_runtime.serve.engine import Engine
+
+    engine = Engine(loaded, max_batch_size=args.max_batch_size,
+                    max_model_len=args.prompt_len + args.max_tokens + 1)
+    if args.ignore_eos:
+        engine.eos_token_ids = []  # every request runs to max_tokens, on both sides alike
+    engine.start()
+    out: dict = {}
+    try:
+        for c in (levels if warm_levels else levels[-1:]):
+            asyncio.run(_wave(engine, prompts, clients=c, per_client=1,
+                              max_tokens=min(args.max_tokens, args.warmup_tokens)))
+        for c in levels:
+            wall, results = asyncio.run(_wave(engine, prompts, clients=c,
+                                              per_client=args.requests_per_client,
+                                              max_tokens=args.max_tokens, bar=bar))
+            out[c] = (_summarize(wall, results), results)
+    finally:
+        engine.shutdown()
+    return out
+
+
+# ----------------------------------------------------------------------------------- reporting
+
+
+def _environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "host": platform.node(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    env["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return env
+
+
+def _side_experts(plan: dict) -> str:
+    """What runs the experts, e.g. ``triton (nvfp4_w4a4 as nvfp4_w4a16)``."""
+    seen = []
+    for layer in plan.get("layers", []):
+        experts = layer.get("experts")
+        runs_as = layer.get("runs_as")
+        fmt = layer.get("format")
+        text = str(experts)
+        if runs_as and runs_as != fmt and plan.get("loader") == "transformers":
+            text += f" ({fmt} dequantized to {runs_as})"
+        elif runs_as and runs_as != fmt:
+            text += f" ({fmt} run as {runs_as})"
+        elif fmt:
+            text += f" ({fmt})"
+        if text not in seen:
+            seen.append(text)
+    return "; ".join(seen) or "?"
+
+
+def _fmt(x, scale=1.0, digits=1) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def render_markdown(report: dict) -> str:
+    env, work, model = report["environment"], report["workload"], report["model"]
+    where = env.get("gpu") or env.get("cpu") or env["device"]
+    lines = [
+        f"Device: {where} ({env['device']}; torch {env['torch']}, transformers "
+        f"{env['transformers']}{', triton ' + env['triton'] if env.get('triton') else ''}; "
+        f"{env['cpu_count']} CPU cores, {env['torch_threads']} torch threads). "
+        f"Date: {report['date']}.",
+        f"Command: `{report['command']}`",
+        f"Model: `{model['path']}`: {model['summary']}.",
+        f"Workload: prompts of {work['prompt_len']} tokens, {work['max_tokens']} output tokens "
+        f"per request ({'EOS ignored' if work['ignore_eos'] else 'stops at EOS'}), greedy; each "
+        f"client sends {work['requests_per_client']} request(s) back to back; engine max batch "
+        f"{work['max_batch_size']}; {work['repeats']} repetition(s), sides alternating; "
+        f"req/s and tok/s are medians over repetitions, TTFT/TPOT over all measured requests.",
+        "",
+    ]
+    for side in report["sides"]:
+        s = report["side_info"][side]
+        lines.append(f"- `{side}`: experts run by {s['experts']}; loaded in {s['load_s']:.1f} s.")
+    lines += ["", "| clients | side | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
+              "| TPOT p50 (ms) | req/s vs transformers |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    agg = report["results"]
+    for c in work["clients"]:
+        base = agg.get("transformers", {}).get(str(c), {}).get("req_per_s")
+        for side in report["sides"]:
+            a = agg[side][str(c)]
+            ratio = (f"{a['req_per_s'] / base:.2f}x" if base and side != "transformers"
+                     else "")
+            lines.append(
+                f"| {c} | {side} | {_fmt(a['req_per_s'], digits=2)} | "
+                f"{_fmt(a['out_tok_per_s'])} | {_fmt(a['ttft_p50_s'], 1e3)} | "
+                f"{_fmt(a['ttft_p90_s'], 1e3)} | {_fmt(a['tpot_p50_s'], 1e3)} | {ratio} |")
+    eq = report.get("greedy_agreement")
+    if eq:
+        lines += ["", f"Greedy outputs identical on both sides: {eq['identical']}/{eq['compared']} "
+                  f"requests (mean common prefix {eq['mean_common_prefix']:.1f} of "
+                  f"{work['max_tokens']} tokens)."]
+    return "\n".join(lines) + "\n"
+
+
+def _agreement(raw: dict, sides: list[str]) -> dict | None:
+    """Compare each side's first-repetition greedy tokens, request by request."""
+    if len(sides) != 2:
+        return None
+    a, b = (raw[s][0] for s in sides)
+    same = compared = 0
+    prefixes = []
+    for c in a:
+        for ra, rb in zip(a[c][1], b[c][1], strict=True):
+            x, y = ra["token_ids"], rb["token_ids"]
+            compared += 1
+            same += x == y
+            n = 0
+            while n < min(len(x), len(y)) and x[n] == y[n]:
+                n += 1
+            prefixes.append(n)
+    return {"compared": compared, "identical": same,
+            "mean_common_prefix": statistics.fmean(prefixes) if prefixes else 0.0}
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def _resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model_summary(path: Path, plan: dict) -> str:
+    cfg = json.loads((path / "config.json").read_text())
+    ck = plan.get("checkpoint", {})
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    return (f"{(cfg.get('architectures') or ['?'])[0]}, {cfg.get('num_hidden_layers')} layers, "
+            f"hidden {cfg.get('hidden_size')}, {experts} experts top-"
+            f"{cfg.get('num_experts_per_tok')}, expert intermediate "
+            f"{cfg.get('moe_intermediate_size') or cfg.get('intermediate_size')}, vocab "
+            f"{cfg.get('vocab_size')}, {cfg.get('dtype') or cfg.get('torch_dtype')}, quant "
+            f"{ck.get('quant_algo') or (cfg.get('quantization_config') or {}).get('quant_algo')}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="checkpoint folder (default: the embedded default model)")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    p.add_argument("--clients", default="1,8,32",
+                   help="comma-separated concurrent client counts (default 1,8,32)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="engine max batch (default: the largest client count)")
+    p.add_argument("--sides", default=",".join(SIDES),
+                   help=f"which sides to run (default {','.join(SIDES)})")
+    p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
+                   help="pin moe-runtime's experts backend (default: the planner's choice)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: ignore it, fixed output lengths)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: clients 1,4, prompt 16, 8 tokens, 1 repetition")
+    p.add_argument("--out", default="bench-serve-out", metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.clients, args.prompt_len, args.max_tokens = "1,4", 16, 8
+        args.requests_per_client, args.repeats = 1, 1
+    args.client_levels = sorted({int(c) for c in args.clients.split(",") if c.strip()})
+    if not args.client_levels or min(args.client_levels) < 1:
+        p.error("--clients needs positive integers")
+    args.side_list = [s.strip() for s in args.sides.split(",") if s.strip()]
+    bad = [s for s in args.side_list if s not in SIDES]
+    if bad or not args.side_list:
+        p.error(f"--sides: choose from {', '.join(SIDES)}")
+    args.max_batch_size = args.max_batch_size or max(args.client_levels)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python " + " ".join([os.path.relpath(__file__)] + list(
+        sys.argv[1:] if argv is None else argv))
+    from tqdm.auto import tqdm
+
+    from moe_runtime.serve.loading import load_for_serving
+
+    if args.model is None:
+        from moe_runtime.serve.default_model import ensure_default_model
+
+        model_dir = ensure_default_model(progress=not args.no_progress)
+    else:
+        model_dir = Path(args.model)
+    device = _resolve_device(args.device)
+    levels = args.client_levels
+
+    loaded, info = {}, {}
+    for side in args.side_list:
+        start = time.perf_counter()
+        loaded[side] = load_for_serving(
+            model_dir, device=device, progress=not args.no_progress, dtype=args.dtype,
+            moe_runner_backend=args.moe_runner_backend if side == "moe-runtime" else None,
+            transformers_experts=side == "transformers")
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+        info[side] = {"load_s": time.perf_counter() - start,
+                      "experts": _side_experts(loaded[side].plan), "plan": loaded[side].plan}
+        print(f"{side}: loaded in {info[side]['load_s']:.1f} s; experts: {info[side]['experts']}",
+              flush=True)
+
+    first = loaded[args.side_list[0]]
+    count = max(levels) * args.requests_per_client
+    prompts = make_prompts(first.tokenizer, count, args.prompt_len)
+    total = len(args.side_list) * args.repeats * sum(c * args.requests_per_client for c in levels)
+    bar = tqdm(total=total, desc="requests", unit="req", disable=args.no_progress)
+    raw: dict[str, list[dict]] = {s: [] for s in args.side_list}
+    for rep in range(args.repeats):
+        order = args.side_list if rep % 2 == 0 else list(reversed(args.side_list))
+        for side in order:
+            bar.set_postfix_str(f"rep {rep + 1}/{args.repeats} {side}")
+            raw[side].append(_run_side(loaded[side], prompts, args, levels,
+                                       warm_levels=rep == 0, bar=bar))
+    bar.close()
+
+    results: dict[str, dict] = {}
+    for side in args.side_list:
+        results[side] = {}
+        for c in levels:
+            reps = [r[c][0] for r in raw[side]]
+            ttft = [t for r in reps for t in r["ttft_s"] if t is not None]
+            tpot = [t for r in reps for t in r["tpot_s"]]
+            results[side][str(c)] = {
+                "req_per_s": _median([r["req_per_s"] for r in reps]),
+                "out_tok_per_s": _median([r["out_tok_per_s"] for r in reps]),
+                "req_per_s_each": [r["req_per_s"] for r in reps],
+                "ttft_p50_s": _median(ttft),
+                "ttft_p90_s": _percentile(ttft, 0.9),
+                "tpot_p50_s": _median(tpot),
+                "latency_p50_s": _median([x for r in reps for x in r["latency_s"]]),
+                "tokens_per_request": sorted({n for r in reps for n in r["tokens_per_request"]}),
+                "repetitions": [{k: v for k, v in r.items()} for r in reps],
+            }
+
+    report = {
+        "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": command,
+        "environment": _environment(device),
+        "model": {"path": str(model_dir), "summary": _model_summary(Path(model_dir),
+                                                                    first.plan)},
+        "workload": {"clients": levels, "prompt_len": args.prompt_len,
+                     "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                     "requests_per_client": args.requests_per_client, "repeats": args.repeats,
+                     "max_batch_size": args.max_batch_size, "dtype": args.dtype,
+                     "moe_runner_backend": args.moe_runner_backend},
+        "sides": args.side_list,
+        "side_info": info,
+        "results": results,
+        "greedy_agreement": _agreement(raw, args.side_list),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_serve.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    md = render_markdown(report)
+    (out / "bench_serve.md").write_text(md)
+    print(md, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.fspath(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
