@@ -63,7 +63,9 @@ SHAPES = {
 }
 TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FORMATS = ["bf16", "fp8_w8a8", "nvfp4_w4a16"]
-GRAPH_MAX_TOKENS = 128
+GRAPH_MAX_TOKENS = 1024
+PROFILE_ROWS = {("qwen3-30b-a3b", 1), ("qwen3.5-397b-a17b", 128), ("qwen3-30b-a3b", 4096),
+                ("deepseek-v3", 4096), ("tiny", 1)}
 ROTATE = 3  # input sets per row
 TOL = {"bf16": 1.5e-2, "fp8_w8a8": 4e-2, "nvfp4_w4a16": 1.5e-2}
 
@@ -518,9 +520,9 @@ def our_candidates(fmt_code, rows_per_expert, on_gpu):
     else:
         bms = [64, 128]
         g1s = [g(64, 64, 8, 8, 3), g(128, 64, 8, 8, 3), g(64, 64, 8, 4, 4), g(64, 128, 8, 8, 3),
-               g(128, 64, 16, 8, 4)]
+               g(128, 64, 32, 8, 4), g(64, 64, 32, 8, 4)]
         g2s = [g(128, 64, 8, 8, 3), g(256, 64, 8, 8, 3), g(128, 128, 8, 8, 3), g(128, 64, 8, 4, 4),
-               g(256, 64, 16, 8, 4)]
+               g(256, 64, 32, 8, 4), g(128, 64, 32, 8, 4)]
     return bms, g1s, g2s
 
 
@@ -872,6 +874,11 @@ def main():
                         if os.environ.get("BENCH_TRACEBACK"):
                             traceback.print_exc()
                     row["impl"][name] = ent
+                    if device == "cuda":
+                        import gc
+
+                        gc.collect()
+                        torch.cuda.empty_cache()
                     return ent
 
                 # ---- ours (tuned here or from the table)
@@ -882,7 +889,7 @@ def main():
                     best = None
                     use_graph = device == "cuda" and N <= GRAPH_MAX_TOKENS
 
-                    def time_cfg(c):
+                    def time_cfg_(c):
                         calls = [(lambda s=s, c=c: ops.fused_moe_prepared(*s, pw, config=c))
                                  for s in sets]
                         if use_graph:  # decode runs from CUDA graphs: tune what is replayed
@@ -891,6 +898,13 @@ def main():
                             del gs
                             return t
                         return timer.run(calls, target_s=0.04, min_reps=3)
+
+                    def time_cfg(c):
+                        try:
+                            return time_cfg_(c)
+                        except Exception as exc:  # e.g. a tile that needs too much shared memory
+                            row.setdefault("tune_skipped", []).append(str(exc)[:120])
+                            return float("inf")
                     trials = []
                     try:
                         for bm in bms:
@@ -919,6 +933,12 @@ def main():
                 row["triton_config"] = ops.describe_config(cfg)
                 record("triton", lambda: (lambda x, i, t: ops.fused_moe_prepared(
                     x, i, t, pw, config=cfg)))
+                if (sname, N) in PROFILE_ROWS and device == "cuda":
+                    try:
+                        row["profile"] = profile_stages(ops, pw, sets, cfg, timer,
+                                                        N <= GRAPH_MAX_TOKENS)
+                    except Exception as exc:
+                        row["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
                 # ---- peers
                 if fmt == "bf16":
@@ -927,7 +947,7 @@ def main():
                             row["impl"][impl] = {"error": f"{type(f).__name__}: {f}"}
                             continue
                         if impl == "tf_batched":
-                            need = valid_pairs * (3 * H * I) * 2 + N * K * H * 8
+                            need = N * K * (3 * H * I) * 2 + N * K * H * 8
                             if need > 24e9:
                                 row["impl"][impl] = {"skipped": f"would materialise "
                                                      f"{need / 1e9:.0f} GB of gathered weights"}
@@ -988,6 +1008,7 @@ def main():
         with open(outdir / "configs.json", "w") as fh:
             json.dump(tuned, fh, indent=1, sort_keys=True)
     md = markdown_table(meta, rows) + "\n" + "\n".join(targets_report(rows)) + "\n"
+    (outdir / "profile.md").write_text(profile_md(rows))
     (outdir / "results.md").write_text(md)
     try:
         plot(rows, meta, outdir / "bench_triton_moe.png")
@@ -995,6 +1016,63 @@ def main():
         log("plot failed:", exc)
     log(md)
     log(f"done in {time.time() - t_start:.0f}s")
+
+
+def profile_stages(ops, pw, sets, cfg, timer, use_graph):
+    """Each stage of our forward timed alone (graph replay for small batches), with the compiled
+    GEMMs' registers, spills and an instruction histogram of their SASS."""
+    stages = []
+    ops.fused_moe_prepared(*sets[0], pw, config=cfg, _stages=stages)
+    timer.sync()
+    res = {}
+    for name, fn, ck in stages:
+        if use_graph:
+            gs = timer.graphs([fn])
+            t = timer.run([gs[0][0].replay], target_s=0.03, min_reps=10)
+            del gs
+        else:
+            t = timer.run([fn], target_s=0.05, min_reps=5)
+        ent = {"us": round(t * 1e6, 2)}
+        if ck is not None and hasattr(ck, "n_regs"):
+            ent["regs"], ent["spills"] = ck.n_regs, ck.n_spills
+            if name.startswith("gemm"):
+                try:
+                    from collections import Counter
+
+                    from triton.tools.disasm import get_sass
+
+                    sass = get_sass(ck.asm["cubin"])
+                    ops_ = Counter(line.split()[1].split(".")[0] for line in sass.splitlines()
+                                   if line.strip().startswith("/*") and len(line.split()) > 1
+                                   and not line.split()[1].startswith("/*"))
+                    ent["sass_total"] = sum(ops_.values())
+                    ent["sass_top"] = ops_.most_common(14)
+                except Exception as exc:
+                    ent["sass_error"] = str(exc)[:120]
+        res[name] = ent
+    return res
+
+
+def profile_md(rows):
+    out = ["## Stage profile (each stage alone; graph replay where the row is graph-timed)", ""]
+    for r in rows:
+        pr = r.get("profile")
+        if not pr:
+            continue
+        out.append(f"### {r['shape']} N={r['tokens']} {r['format']} ({r.get('triton_config')})")
+        if "error" in pr:
+            out.append(f"error: {pr['error']}")
+            continue
+        for name, ent in pr.items():
+            line = f"- {name}: {ent.get('us')} us"
+            if "regs" in ent:
+                line += f", {ent['regs']} regs, {ent['spills']} spills"
+            if "sass_total" in ent:
+                line += f", SASS {ent['sass_total']} instr, top: " + ", ".join(
+                    f"{k} {v}" for k, v in ent["sass_top"])
+            out.append(line)
+        out.append("")
+    return "\n".join(out) + "\n"
 
 
 def mk_helper_time(mk, timer, sets, E, I, bm, fmt, w, has_invalid, graph_too=False):

@@ -207,12 +207,21 @@ def route(topk_ids: torch.Tensor, E: int, block_m: int):
     ``sorted_ids[row]`` is the pair (``token * topk + k``) of a row, ``P`` on padding rows; rows
     of expert ``e`` are contiguous and padded to ``block_m``; ``block_expert[b]`` is the expert of
     row block ``b`` or -1 past the used blocks."""
+    P = topk_ids.numel()
+    R = max_sorted_rows(P, E, block_m)
+    sorted_ids = torch.empty(R, dtype=torch.int32, device=topk_ids.device)
+    bexp = torch.empty(R // block_m, dtype=torch.int32, device=topk_ids.device)
+    route_into(topk_ids, E, block_m, sorted_ids, bexp)
+    return sorted_ids, bexp, R
+
+
+def route_into(topk_ids: torch.Tensor, E: int, block_m: int, sorted_ids: torch.Tensor,
+               bexp: torch.Tensor) -> None:
+    """Launch the routing kernels into preallocated ``sorted_ids`` and ``bexp``."""
     ids = topk_ids.reshape(-1)
     P = ids.numel()
     dev = ids.device
-    R = max_sorted_rows(P, E, block_m)
-    sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
-    bexp = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    R = sorted_ids.numel()
     e_p2 = _p2(E)
     if P <= TINY_ROUTE_MAX_PAIRS:
         K.route_tiny_kernel[(1,)](
@@ -240,7 +249,6 @@ def route(topk_ids: torch.Tensor, E: int, block_m: int):
                                      E_P2=max(16, e_p2), num_warps=4)
         K.route_scatter_kernel[(grid,)](ids, rank, starts, sorted_ids, P, E, BLOCK=block,
                                         num_warps=4)
-    return sorted_ids, bexp, R
 
 
 def _launch_opts(cfg: dict) -> dict:
@@ -259,11 +267,19 @@ def fused_moe_prepared(
     hidden_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    _stages: list | None = None,
 ) -> torch.Tensor:
     """``[N, H]``: per token, the routing-weighted sum of its valid experts' gated MLP outputs.
 
     ``hidden`` is 16-bit (or float32), or float8_e4m3fn with ``hidden_scale`` (fp8_w8a8 only).
+    ``_stages`` (profiling): a list that receives ``(name, relaunch, compiled_kernel)`` for every
+    stage, so each can be timed alone.
     """
+
+    def go(name, fn):
+        ret = fn()
+        if _stages is not None:
+            _stages.append((name, fn, ret))
     N, H = hidden.shape
     E, I = pw.num_experts, pw.intermediate_size
     if H != pw.hidden_size:
@@ -293,8 +309,11 @@ def fused_moe_prepared(
 
     cfg = config or get_config(pw.run_as, E, H, I, topk, N)
     bm = cfg["BLOCK_M"]
-    sorted_ids, bexp, R = route(topk_ids, E, bm)
     P = N * topk
+    R = max_sorted_rows(P, E, bm)
+    sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
+    bexp = torch.empty(R // bm, dtype=torch.int32, device=hidden.device)
+    go("route", lambda: route_into(topk_ids, E, bm, sorted_ids, bexp))
     num_m_blocks = R // bm
     ctype = _TL_DTYPE.get(compute, tl.bfloat16)
 
@@ -306,8 +325,8 @@ def fused_moe_prepared(
         elif cfg.get("a_prequant", False):
             x = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device=hidden.device)
             blk = 4096
-            K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
-                hidden, x, a_scale, hidden.numel(), BLOCK=blk, EXACT=EXACT_FP8, num_warps=8)
+            go("quant_fp8", lambda: K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
+                hidden, x, a_scale, hidden.numel(), BLOCK=blk, EXACT=EXACT_FP8, num_warps=8))
             a_quant = 1
         else:
             x, a_quant = hidden, 2
@@ -321,7 +340,7 @@ def fused_moe_prepared(
     g1 = cfg["g1"]
     even_k1 = H % g1["BLOCK_K"] == 0
     grid1 = (num_m_blocks * triton.cdiv(I, g1["BLOCK_N"]),)
-    K.moe_gemm1_kernel[grid1](
+    go("gemm1", lambda: K.moe_gemm1_kernel[grid1](
         x, pw.w13, pw.w13_scale if pw.w13_scale is not None else dummy,
         pw.w13_scale_2 if pw.w13_scale_2 is not None else dummy,
         a_scale if a_scale is not None else dummy,
@@ -336,13 +355,13 @@ def fused_moe_prepared(
         ACT=_ACT[pw.activation], EVEN_K=even_k1, EXACT=EXACT_FP8,
         BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
         compute_dtype=ctype, **_launch_opts(g1),
-    )
+    ))
 
     y = torch.empty((P, H), dtype=out_dtype, device=hidden.device)
     g2 = cfg["g2"]
     even_k2 = I % g2["BLOCK_K"] == 0
     grid2 = (num_m_blocks * triton.cdiv(H, g2["BLOCK_N"]),)
-    K.moe_gemm2_kernel[grid2](
+    go("gemm2", lambda: K.moe_gemm2_kernel[grid2](
         inter, pw.w2, pw.w2_scale if pw.w2_scale is not None else dummy,
         pw.w2_scale_2 if pw.w2_scale_2 is not None else dummy,
         pw.a2_scale if pw.a2_scale is not None else dummy,
@@ -355,13 +374,13 @@ def fused_moe_prepared(
         WFMT=pw.wfmt, EVEN_K=even_k2,
         BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
         compute_dtype=ctype, **_launch_opts(g2),
-    )
+    ))
 
     bh = min(1024, max(16, _p2(H)))
-    K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
+    go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
         y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh,
         num_warps=4,
-    )
+    ))
     return out
 
 
