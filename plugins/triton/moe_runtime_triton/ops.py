@@ -178,9 +178,20 @@ def table_key(run_as: str, E: int, H: int, I: int, topk: int) -> str:
     return f"{run_as},E={E},H={H},I={I},topk={topk}"
 
 
+@functools.lru_cache(maxsize=1)
+def _table_applies() -> bool:
+    """The table was tuned on one device family; other GPUs (other shared-memory sizes) use the
+    heuristic."""
+    meta = _tuned_table().get("_meta", {})
+    want = meta.get("capability")
+    if not want or not torch.cuda.is_available():
+        return True
+    return list(torch.cuda.get_device_capability()) == list(want)
+
+
 def get_config(run_as: str, E: int, H: int, I: int, topk: int, n_tokens: int) -> dict:
     """The tuned config nearest in log(token count) for this shape, else the heuristic."""
-    entry = _tuned_table().get(table_key(run_as, E, H, I, topk))
+    entry = _tuned_table().get(table_key(run_as, E, H, I, topk)) if _table_applies() else None
     if entry:
         best = min(entry, key=lambda k: abs(math.log2(int(k)) - math.log2(max(1, n_tokens))))
         return entry[best]
