@@ -114,12 +114,12 @@ def _recreate_nonpersistent_buffers(model, device) -> None:
         cfg = getattr(module, "config", None)
         if cfg is None:
             raise WeightError(f"cannot rebuild the computed buffers of module {name!r}")
-        fresh = type(module)(config=cfg, device=device)
+        fresh = type(module)(config=cfg).to(device)  # built on CPU: `device=` is deprecated
         for b in module._non_persistent_buffers_set:
             setattr(module, b, getattr(fresh, b))
         for attr, value in vars(fresh).items():
             if isinstance(value, torch.Tensor) and not attr.startswith("_"):
-                setattr(module, attr, value)
+                setattr(module, attr, value.to(device))
 
 
 def load_model(

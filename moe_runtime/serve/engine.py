@@ -133,7 +133,7 @@ class Engine:
     @property
     def healthy(self) -> bool:
         m = self._manager
-        return m is not None and m.is_running() and m.fatal_error is None
+        return m is not None and m.is_running() and _fatal_error(m) is None
 
     # ------------------------------------------------------------------------------ prompts
 
@@ -158,7 +158,7 @@ class Engine:
         """
         manager = self._manager
         if manager is None or not self.healthy:
-            reason = getattr(manager, "fatal_error", None) if manager else "not started"
+            reason = _fatal_error(manager) if manager else "not started"
             raise EngineUnavailable(f"the generation engine is not running ({reason})")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
@@ -229,3 +229,10 @@ class Engine:
             last = delta
         assert last is not None
         return attrs.evolve(last, text="".join(parts))
+
+
+def _fatal_error(manager):
+    """The continuous-batching thread's fatal error, if any (transformers 5.14 keeps it on the
+    manager, 5.17 on ``manager.background_thread_status``)."""
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(manager, "fatal_error", None) or getattr(status, "fatal_error", None)
