@@ -704,6 +704,7 @@ def main():
     ap.add_argument("--shapes", nargs="*")
     ap.add_argument("--tokens", nargs="*", type=int)
     ap.add_argument("--formats", nargs="*")
+    ap.add_argument("--rows", nargs="*", help="only these SHAPE:TOKENS rows (e.g. the profiled ones)")
     ap.add_argument("--peers", nargs="*", default=["tf_grouped", "tf_batched", "mk_triton",
                                                    "reference"])
     ap.add_argument("--mk-path", default=str(ROOT / ".peers" / "moe-kernels-0.8.2"))
@@ -724,6 +725,9 @@ def main():
     from moe_runtime_triton import ops
 
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.rows:
+        keep = {r.split(":")[0] for r in args.rows}
+        shapes = {k: v for k, v in shapes.items() if k in keep}
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes}
     elif args.quick and not args.smoke:
@@ -731,6 +735,8 @@ def main():
     tokens = args.tokens or ([1, 16, 128] if args.smoke else
                              [1, 128, 4096] if args.quick else TOKENS)
     formats = args.formats or FORMATS
+    if args.rows:
+        tokens = sorted({int(r.split(":")[1]) for r in args.rows})
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -807,6 +813,8 @@ def main():
                 except Exception as exc:
                     tf_impls[impl] = exc
         for N in tokens:
+            if args.rows and f"{sname}:{N}" not in args.rows:
+                continue
             if time.time() - t_start > args.time_budget:
                 log(f"   time budget spent: skipping {sname} N={N}")
                 rows.append({"shape": sname, "tokens": N, "skipped": "time budget"})
