@@ -115,6 +115,17 @@ class Support:
     note: str = ""
 
 
+def _check_backend(spec, supports, what: str) -> None:
+    if not supports:
+        raise ValueError(f"{spec.role} backend {spec.name!r} declares no {what}")
+    if ":" not in spec.factory:
+        raise ValueError(f"backend {spec.name!r}: factory {spec.factory!r} must be 'module:Class'")
+
+
+def _requires(supports) -> frozenset[str]:
+    return frozenset(m for s in supports for m in s.hardware.requires)
+
+
 @attrs.frozen
 class ExpertsBackendSpec:
     """An experts (compute) backend.
@@ -136,15 +147,10 @@ class ExpertsBackendSpec:
 
     @supports.validator
     def _check(self, _attr, value):
-        if not value:
-            raise ValueError(f"experts backend {self.name!r} declares no Support block")
-        if ":" not in self.factory:
-            raise ValueError(
-                f"backend {self.name!r}: factory {self.factory!r} must be 'module:Class'"
-            )
+        _check_backend(self, value, "Support block")
 
     def requires(self) -> frozenset[str]:
-        return frozenset(m for s in self.supports for m in s.hardware.requires)
+        return _requires(self.supports)
 
 
 @attrs.frozen
@@ -201,15 +207,10 @@ class CommBackendSpec:
 
     @supports.validator
     def _check(self, _attr, value):
-        if not value:
-            raise ValueError(f"communication backend {self.name!r} declares no mode")
-        if ":" not in self.factory:
-            raise ValueError(
-                f"backend {self.name!r}: factory {self.factory!r} must be 'module:Class'"
-            )
+        _check_backend(self, value, "mode")
 
     def requires(self) -> frozenset[str]:
-        return frozenset(m for s in self.supports for m in s.hardware.requires)
+        return _requires(self.supports)
 
 
 def load_factory(factory: str):

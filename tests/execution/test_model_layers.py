@@ -30,6 +30,17 @@ def _capture_moe_io(model, names):
     return seen, hooks
 
 
+def _assert_layers_match(ours, seen, names, tolerance, what):
+    """Run our experts modules on the captured inputs; compare with transformers' outputs."""
+    modules = dict(ours.model.named_modules())
+    for name in names:
+        args, expected = seen[name]
+        with torch.no_grad():
+            got = modules[name](*args).float()
+        err = ((got - expected.float()).abs().max() / expected.float().abs().max()).item()
+        assert err <= tolerance, f"{what} {name}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("quant", ["bf16", "fp8", "nvfp4", "w4a16_nvfp4", "mixed"])
 def test_moe_layers_match_transformers_on_dequantized_weights(tiny_checkpoint, arch, quant):
@@ -45,13 +56,7 @@ def test_moe_layers_match_transformers_on_dequantized_weights(tiny_checkpoint, a
         ref.model(ids)
     for h in hooks:
         h.remove()
-    modules = dict(ours.model.named_modules())
-    for name in names:
-        args, expected = seen[name]
-        with torch.no_grad():
-            got = modules[name](*args)
-        err = (got - expected).abs().max().item() / expected.abs().max().item()
-        assert err <= TOLERANCE[quant], f"{arch}/{quant} {name}: relative error {err:.3g}"
+    _assert_layers_match(ours, seen, names, TOLERANCE[quant], f"{arch}/{quant}")
 
 
 def test_plan_reports_format_of_every_layer_of_a_mixed_checkpoint(tiny_checkpoint):
@@ -99,10 +104,4 @@ def test_moe_layers_on_gpu_match_transformers(tiny_checkpoint, arch, quant):
         ref.model(ids)
     for h in hooks:
         h.remove()
-    modules = dict(ours.model.named_modules())
-    for name in names:
-        args, expected = seen[name]
-        with torch.no_grad():
-            got = modules[name](*args)
-        err = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-        assert err <= GPU_TOLERANCE[quant], f"{arch}/{quant} {name}: relative error {err:.3g}"
+    _assert_layers_match(ours, seen, names, GPU_TOLERANCE[quant], f"{arch}/{quant} on GPU")
