@@ -544,7 +544,6 @@ def _est_rows_per_expert(spec, N):
 
 
 def our_task_configs(fmt, rows_per_expert, on_gpu, pairs):
-    from moe_runtime_triton import ops
 
     code = {"bf16": 0, "fp8_w8a8": 1, "nvfp4_w4a16": 2}[fmt]
     bms, g1s, g2s = our_candidates(code, rows_per_expert, on_gpu)
@@ -1045,11 +1044,10 @@ def profile_stages(ops, pw, sets, cfg, timer, use_graph):
             ent["regs"], ent["spills"] = ck.n_regs, ck.n_spills
             if name.startswith("gemm"):
                 try:
+                    import re
                     from collections import Counter
 
                     from triton.tools.disasm import get_sass
-
-                    import re
 
                     sass = get_sass(ck.asm["cubin"])
                     pat = re.compile(r"(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)[.\s]")

@@ -42,9 +42,8 @@ def routing(shape: Shape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
 
 def make_layer(case: ExpertsCase, gen: torch.Generator):
     """Random float weights and inputs for a case, quantized to the case's format."""
-    from moe_runtime.reference_math import quantize_expert_weights
-
     from moe_runtime.formats import BUILTIN_FORMATS
+    from moe_runtime.reference_math import quantize_expert_weights
 
     if case.format not in {f.name for f in BUILTIN_FORMATS}:
         raise ConformanceSkip(

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from moe_runtime.testing.dists import build_plugin_dist, pip_install_target
-
 
 GOOD_PLUGIN = '''
     from moe_runtime import hookimpl, ExpertsBackendSpec, Support, Hardware, CapabilityRange

@@ -31,7 +31,7 @@ def _worker(rank, world, port, path, prompt, queue):
         with torch.no_grad():
             logits = loaded.model(ids).logits
         queue.put((rank, plan.comm, local, logits.tolist(), None))  # plain data outlives the process
-    except Exception as exc:
+    except Exception:
         import traceback
 
         queue.put((rank, None, None, None, traceback.format_exc()))

@@ -62,7 +62,7 @@ def test_moe_layer_with_shared_expert_matches_transformers_block():
     from moe_runtime.environment import Environment
     from moe_runtime.layer import MoELayer, build_executor
     from moe_runtime.manager import Registry
-    from moe_runtime.planner import plan_layer, Deployment
+    from moe_runtime.planner import Deployment, plan_layer
     from moe_runtime.runtime import ExpertWeights, LayerProblem
 
     cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,

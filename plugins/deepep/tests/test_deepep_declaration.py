@@ -88,5 +88,6 @@ def test_cli_lists_the_modes():
     out = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "plugins"], capture_output=True,
                          text=True, check=True, env=env, timeout=120).stdout
     assert "deepep (moe-runtime-deepep 0.1.0): loaded" in out
-    assert "mode low_latency: layout masked; payloads unquantized; world size 2, 3, 4, 5, 6, 7, 8, 16" in out
+    assert ("mode low_latency: layout masked; payloads unquantized; "
+            "world size 2, 3, 4, 5, 6, 7, 8, 16") in out
     assert "mode normal: layout token_major; payloads fp8,unquantized; world size 2, 4, 8;" in out

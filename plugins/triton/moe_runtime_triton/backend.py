@@ -8,7 +8,6 @@ import torch
 
 from moe_runtime import formats as F
 from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
-
 from moe_runtime_triton import ops
 
 

@@ -21,7 +21,6 @@ import triton.language as tl
 
 from moe_runtime import formats as F
 from moe_runtime.runtime import ExpertWeights
-
 from moe_runtime_triton import kernels as K
 
 _FMT_CODE = {F.BF16: K.WFMT_16BIT, F.FP16: K.WFMT_16BIT, F.FP8_W8A8: K.WFMT_FP8,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from _reference import make_weights, reference, rel_err
-
 from moe_runtime_triton import ops
 
 TOL = {"fp16": 5e-3, "bf16": 1e-3, "fp8_w8a8": 5e-3, "nvfp4_w4a16": 5e-3, "nvfp4_w4a4": 5e-3}
