@@ -21,20 +21,47 @@ class MoEExecutor:
     """Dispatch -> experts -> combine for one layer, given routed tokens.
 
     This is what a model integration calls with its own router's output (transformers' experts
-    interface hands over ``top_k_index`` and ``top_k_weights``).
+    interface hands over ``top_k_index`` and ``top_k_weights``). When the plan has several
+    communication modes (a bounded low-latency mode and an unbounded one), each batch uses the
+    first mode whose bound admits it; under expert parallelism the ranks first agree on the largest
+    batch (one all-reduce, only for such plans) so that every rank picks the same mode.
     """
 
-    def __init__(self, plan: LayerPlan, comm, experts, weights: ExpertWeights | None) -> None:
+    def __init__(self, plan: LayerPlan, paths, weights: ExpertWeights | None, *,
+                 group=None, ep_size: int = 1) -> None:
         self.plan = plan
-        self.comm = comm
-        self.experts = experts
+        self.paths = paths  # [(ModeChoice, comm, experts)] in plan order
+        self.comm, self.experts = paths[-1][1], paths[-1][2]
         self.input_scale = weights.a13_scale if weights is not None else None
+        self.group = group
+        self.ep_size = ep_size
 
-    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        dispatched, handle = self.comm.dispatch(hidden, topk_ids, topk_weights,
-                                                input_scale=self.input_scale)
-        out = self.experts.forward(dispatched)
-        return self.comm.combine(out, handle)
+    def path_for(self, tokens_per_rank: int):
+        """(mode, comm, experts) used for a batch of ``tokens_per_rank`` (largest over ranks)."""
+        mode = self.plan.mode_for(tokens_per_rank)
+        for path in self.paths:
+            if path[0] == mode:
+                return path
+        raise AssertionError("the plan's modes and the executor's paths differ")
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, max_tokens_per_rank: int | None = None):
+        if len(self.paths) == 1:
+            _, comm, experts = self.paths[0]
+        else:
+            n = max_tokens_per_rank if max_tokens_per_rank is not None else hidden.shape[0]
+            if self.ep_size > 1 and max_tokens_per_rank is None:
+                import torch.distributed as dist
+
+                t = torch.tensor([n], dtype=torch.int64,
+                                 device=hidden.device if hidden.is_cuda else "cpu")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+                n = int(t.item())
+            _, comm, experts = self.path_for(n)
+        dispatched, handle = comm.dispatch(hidden, topk_ids, topk_weights,
+                                           input_scale=self.input_scale)
+        out = experts.forward(dispatched)
+        return comm.combine(out, handle)
 
 
 def build_executor(
@@ -48,23 +75,36 @@ def build_executor(
     group=None,
     max_tokens_per_rank: int = 4096,
 ) -> MoEExecutor:
-    """Instantiate the plan's two backends and prepare the experts' weights (once, at load).
+    """Instantiate the plan's backends and prepare the experts' weights (once, at load).
 
-    ``weights`` holds the *local* experts of this rank, on ``device``.
+    One communication backend object per planned mode, one experts backend object per layout the
+    modes deliver (each prepares its own kernel layout). ``weights`` holds the *local* experts of
+    this rank, on ``device``.
     """
     device = str(device)
     experts_cls = load_factory(registry.experts_spec(plan.experts).factory)
     comm_cls = load_factory(registry.comm_spec(plan.comm).factory)
-    experts = experts_cls(setup=ExpertsSetup(
-        problem=plan.problem, runs_as=plan.runs_as, payload=plan.payload, layout=plan.layout,
-        ep_rank=ep_rank, ep_size=ep_size, device=device,
-    ))
-    comm = comm_cls(setup=CommSetup(
-        problem=plan.problem, payload=plan.payload, layout=plan.layout, ep_rank=ep_rank,
-        ep_size=ep_size, device=device, max_tokens_per_rank=max_tokens_per_rank, group=group,
-    ))
-    experts.prepare(weights)
-    return MoEExecutor(plan, comm, experts, weights)
+    from moe_runtime.planner import ModeChoice
+
+    modes = plan.modes or (ModeChoice(plan.comm_mode, plan.layout, plan.payload, None),)
+    experts_by_key: dict = {}
+    paths = []
+    for mode in modes:
+        key = (mode.layout, mode.payload)
+        if key not in experts_by_key:
+            experts = experts_cls(setup=ExpertsSetup(
+                problem=plan.problem, runs_as=plan.runs_as, payload=mode.payload,
+                layout=mode.layout, ep_rank=ep_rank, ep_size=ep_size, device=device,
+            ))
+            experts.prepare(weights)
+            experts_by_key[key] = experts
+        bound = mode.max_tokens_per_rank or max_tokens_per_rank
+        comm = comm_cls(setup=CommSetup(
+            problem=plan.problem, payload=mode.payload, layout=mode.layout, ep_rank=ep_rank,
+            ep_size=ep_size, device=device, max_tokens_per_rank=bound, group=group,
+        ))
+        paths.append((mode, comm, experts_by_key[key]))
+    return MoEExecutor(plan, paths, weights, group=group, ep_size=ep_size)
 
 
 class MoELayer(torch.nn.Module):

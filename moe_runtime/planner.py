@@ -93,8 +93,30 @@ class Rejection:
 
 
 @attrs.frozen
+class ModeChoice:
+    """One communication mode a layer may use, and the batches it serves.
+
+    :param max_tokens_per_rank: the mode serves batches of at most this many tokens per rank
+        (``None``: any batch).
+    """
+
+    comm_mode: str
+    layout: str
+    payload: str
+    max_tokens_per_rank: int | None = None
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
 class LayerPlan:
-    """The decision for one MoE layer."""
+    """The decision for one MoE layer.
+
+    ``modes`` lists the communication modes in the order they are tried per batch: the first whose
+    bound admits the batch is used (e.g. DeepEP low-latency for decode batches, normal mode for the
+    rest). ``comm_mode``/``layout``/``payload`` describe the last one, which admits every batch.
+    """
 
     problem: LayerProblem
     experts: str
@@ -106,6 +128,17 @@ class LayerPlan:
     degradations: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     alternatives: tuple[str, ...] = ()
+    modes: tuple[ModeChoice, ...] = ()
+
+    def mode_for(self, tokens_per_rank: int) -> ModeChoice:
+        """The mode a batch of ``tokens_per_rank`` tokens (the largest over ranks) uses."""
+        for m in self.modes:
+            if m.max_tokens_per_rank is None or tokens_per_rank <= m.max_tokens_per_rank:
+                return m
+        raise ValueError(
+            f"layer {self.problem.name}: a batch of {tokens_per_rank} tokens per rank exceeds every "
+            f"mode of {self.comm} (bounds {[m.max_tokens_per_rank for m in self.modes]}); the plan "
+            "was made for smaller batches: raise --max-tokens-per-rank when planning")
 
     def to_json(self) -> dict:
         return {
@@ -121,6 +154,7 @@ class LayerPlan:
             "degradations": list(self.degradations),
             "notes": list(self.notes),
             "alternatives": list(self.alternatives),
+            "modes": [m.to_json() for m in self.modes],
         }
 
 
@@ -239,7 +273,11 @@ def evaluate_experts(
 def evaluate_comm(
     spec: CommBackendSpec, env: Environment, dep: Deployment
 ) -> tuple[list[CommSupport], tuple[Reason, str] | None]:
-    """The modes of ``spec`` usable for this deployment here, or why none."""
+    """The modes of ``spec`` usable for this deployment here, or why none.
+
+    Token bounds are not checked here: a bounded mode still serves the batches under its bound
+    when another mode of the backend covers the rest (see :func:`plan_layer`).
+    """
     ok, failures = [], []
     for s in spec.supports:
         hw = _check_hardware(s.hardware, env)
@@ -250,18 +288,12 @@ def evaluate_comm(
                 f"mode {s.mode} runs with {s.describe_world_sizes()} expert-parallel ranks; the "
                 f"deployment has {dep.ep_size}"
             )))
-        elif s.max_tokens_per_rank is not None and dep.max_tokens_per_rank > s.max_tokens_per_rank:
-            failures.append((Reason.TOKEN_BOUND, (
-                f"mode {s.mode} carries at most {s.max_tokens_per_rank} tokens per rank; the "
-                f"deployment asks for {dep.max_tokens_per_rank} (lower --max-batch-size or raise "
-                "the backend's bound)"
-            )))
         else:
             ok.append(s)
     if ok:
         return ok, None
     order = [Reason.UNSUPPORTED_DEVICE, Reason.COMPUTE_CAPABILITY, Reason.MISSING_DEPENDENCY,
-             Reason.WORLD_SIZE, Reason.TOKEN_BOUND]
+             Reason.WORLD_SIZE]
     return [], max(failures, key=lambda f: order.index(f[0]))
 
 
@@ -353,7 +385,7 @@ def plan_layer(
             continue
         experts_ok.extend(opts)
 
-    comm_ok: list[tuple[CommBackendSpec, CommSupport]] = []
+    comm_ok: list[tuple[CommBackendSpec, list[CommSupport]]] = []
     for spec in _ranked(registry.comms):
         modes, failure = evaluate_comm(spec, environment, dep)
         if failure:
@@ -361,7 +393,7 @@ def plan_layer(
             continue
         if dep.comm_backend is not None and spec.name != dep.comm_backend:
             continue
-        comm_ok.extend((spec, m) for m in modes)
+        comm_ok.append((spec, modes))
 
     def refuse(role: str, pinned: str | None, why: str) -> PlanError:
         own = [r for r in rejections if r.backend == pinned and r.reason != Reason.NOT_REQUESTED]
@@ -402,19 +434,37 @@ def plan_layer(
 
     pair_failures: list[Rejection] = []
     for opt in experts_ok:
-        for cspec, mode in comm_ok:
-            if mode.layout not in opt.support.layouts:
-                pair_failures.append(Rejection(
-                    p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
-                    f"mode {mode.mode} produces layout {mode.layout}; experts backend "
-                    f"{opt.spec.name} consumes {', '.join(sorted(opt.support.layouts))}",
-                ))
+        for cspec, modes in comm_ok:
+            chosen: list[ModeChoice] = []
+            for mode in modes:
+                if mode.layout not in opt.support.layouts:
+                    pair_failures.append(Rejection(
+                        p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
+                        f"mode {mode.mode} produces layout {mode.layout}; experts backend "
+                        f"{opt.spec.name} consumes {', '.join(sorted(opt.support.layouts))}",
+                    ))
+                    continue
+                payload, why = _derive_payload(opt, mode, registry, dep.payload)
+                if payload is None:
+                    pair_failures.append(Rejection(
+                        p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD, why))
+                    continue
+                chosen.append(ModeChoice(mode.mode, mode.layout, payload,
+                                         mode.max_tokens_per_rank))
+                bound = mode.max_tokens_per_rank
+                if bound is None or bound >= dep.max_tokens_per_rank:
+                    break  # this mode admits every batch of the deployment
+            else:
+                if chosen:
+                    largest = max(m.max_tokens_per_rank for m in chosen)
+                    pair_failures.append(Rejection(
+                        p.name, "communication", cspec.name, Reason.TOKEN_BOUND,
+                        f"its modes carry at most {largest} tokens per rank; the deployment asks "
+                        f"for {dep.max_tokens_per_rank} (lower --max-tokens-per-rank / "
+                        "--max-batch-size, or raise the backend's bound)",
+                    ))
                 continue
-            payload, why = _derive_payload(opt, mode, registry, dep.payload)
-            if payload is None:
-                pair_failures.append(Rejection(
-                    p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD, why))
-                continue
+            last = chosen[-1]
             degradations, notes = [], []
             if opt.runs_as != p.format:
                 src = registry.formats[p.format].spec
@@ -426,19 +476,28 @@ def plan_layer(
                 )
             elif opt.support.note:
                 notes.append(opt.support.note)
-            if payload != F.UNQUANTIZED:
-                notes.append(f"dispatch carries {payload} activations (both sides declare it)")
+            if len(chosen) > 1:
+                notes.append("per batch: " + ", then ".join(
+                    f"{m.comm_mode} ({m.layout}, {m.payload}"
+                    + (f", up to {m.max_tokens_per_rank} tokens/rank)" if m.max_tokens_per_rank
+                       else ")") for m in chosen))
+            quantized = sorted({m.payload for m in chosen} - {F.UNQUANTIZED})
+            if quantized:
+                notes.append(f"dispatch carries {', '.join(quantized)} activations (both sides "
+                             "declare it)")
             if environment.available is None:
                 req = sorted(opt.spec.requires() | cspec.requires())
                 if req:
                     notes.append(f"assumes {', '.join(req)} importable on the target (not checked)")
             others = tuple(n for n in accepting if n != opt.spec.name)
             plan = LayerPlan(
-                problem=p, experts=opt.spec.name, comm=cspec.name, comm_mode=mode.mode,
-                layout=mode.layout, payload=payload, runs_as=opt.runs_as,
+                problem=p, experts=opt.spec.name, comm=cspec.name, comm_mode=last.comm_mode,
+                layout=last.layout, payload=last.payload, runs_as=opt.runs_as,
                 degradations=tuple(degradations), notes=tuple(notes), alternatives=others,
+                modes=tuple(chosen),
             )
-            return plan, rejections
+            # what was turned down on the way (a mode's layout, payload or token bound) is reported
+            return plan, rejections + list(dict.fromkeys(pair_failures))
     # Every candidate pair failed on layout or payload.
     rejections.extend(pair_failures)
     lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in pair_failures)

@@ -277,3 +277,35 @@ def test_plan_json_carries_every_rejection():
     assert data["environment"]["capability"] == "9.0"
     assert {r["backend"]: r["reason"] for r in data["rejections"]}["fast_fp4"] == (
         "compute_capability")
+
+
+BOTH_LAYOUTS = ExpertsBackendSpec(
+    name="both_layouts", factory="m:C", priority=100,
+    supports=[Support(formats=["bf16"], layouts=["token_major", "masked"])])
+BOUNDED_PLUS_NORMAL = CommBackendSpec(
+    name="two_modes", factory="m:C", priority=50,
+    supports=[CommSupport(layout="masked", min_world_size=2, max_tokens_per_rank=128,
+                          mode="low_latency"),
+              CommSupport(layout="token_major", min_world_size=2, mode="normal")])
+
+
+def test_a_backend_with_a_bounded_mode_switches_mode_per_batch():
+    reg = registry_with(BOTH_LAYOUTS, BOUNDED_PLUS_NORMAL)
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                       deployment=Deployment(ep_size=4, max_tokens_per_rank=4096))
+    assert (lp.experts, lp.comm) == ("both_layouts", "two_modes")
+    assert [(m.comm_mode, m.layout, m.max_tokens_per_rank) for m in lp.modes] == [
+        ("low_latency", "masked", 128), ("normal", "token_major", None)]
+    assert lp.mode_for(1).comm_mode == "low_latency"
+    assert lp.mode_for(128).comm_mode == "low_latency"
+    assert lp.mode_for(129).comm_mode == "normal"
+    assert any("per batch: low_latency" in n for n in lp.notes)
+
+
+def test_only_the_bounded_mode_when_the_deployment_fits_it():
+    reg = registry_with(BOTH_LAYOUTS, BOUNDED_PLUS_NORMAL)
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                       deployment=Deployment(ep_size=4, max_tokens_per_rank=64))
+    assert [m.comm_mode for m in lp.modes] == ["low_latency"]
+    with pytest.raises(ValueError, match="exceeds every mode"):
+        lp.mode_for(129)

@@ -106,9 +106,12 @@ def test_a_masked_consumer_is_refused_where_only_normal_mode_fits(registry):
         plan(registry, ep_size=8, max_tokens_per_rank=4096, experts_backend="masked_consumer",
              comm_backend="deepep")
     rej = deepep_rejections(exc.value.rejections)
-    assert rej and all(r.reason == Reason.NO_COMMON_LAYOUT for r in rej)
-    assert "mode normal produces layout token_major" in rej[0].message
-    assert "masked_consumer consumes masked" in rej[0].message
+    assert {r.reason for r in rej} == {Reason.NO_COMMON_LAYOUT, Reason.TOKEN_BOUND}
+    layout = [r for r in rej if r.reason == Reason.NO_COMMON_LAYOUT][0]
+    assert "mode normal produces layout token_major" in layout.message
+    assert "masked_consumer consumes masked" in layout.message
+    bound = [r for r in rej if r.reason == Reason.TOKEN_BOUND][0]
+    assert "at most 128 tokens per rank" in bound.message and "4096" in bound.message
 
 
 def test_a_token_major_consumer_is_refused_where_only_low_latency_fits(registry):
