@@ -433,22 +433,41 @@ def plan_layer(
             f"on {environment.described}. {lines}", rejections)
 
     pair_failures: list[Rejection] = []
-    for opt in experts_ok:
+    by_backend: dict[str, list[_ExpertsOption]] = {}
+    for opt in experts_ok:  # ranked backends, each with its accepting blocks (native first)
+        by_backend.setdefault(opt.spec.name, []).append(opt)
+    for opts in by_backend.values():
+        consumes = sorted({lay for o in opts for lay in o.support.layouts})
         for cspec, modes in comm_ok:
             chosen: list[ModeChoice] = []
+            used: list[_ExpertsOption] = []
             for mode in modes:
-                if mode.layout not in opt.support.layouts:
-                    pair_failures.append(Rejection(
-                        p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
-                        f"mode {mode.mode} produces layout {mode.layout}; experts backend "
-                        f"{opt.spec.name} consumes {', '.join(sorted(opt.support.layouts))}",
-                    ))
+                match, why_not = None, None
+                for opt in opts:
+                    if used and opt.runs_as != used[0].runs_as:
+                        continue  # every mode of a layer runs the weights the same way
+                    if mode.layout not in opt.support.layouts:
+                        continue
+                    payload, why = _derive_payload(opt, mode, registry, dep.payload)
+                    if payload is None:
+                        why_not = why_not or why
+                        continue
+                    match = (opt, payload)
+                    break
+                if match is None:
+                    if why_not is not None:
+                        pair_failures.append(Rejection(
+                            p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD,
+                            why_not))
+                    else:
+                        pair_failures.append(Rejection(
+                            p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
+                            f"mode {mode.mode} produces layout {mode.layout}; experts backend "
+                            f"{opts[0].spec.name} consumes {', '.join(consumes)}",
+                        ))
                     continue
-                payload, why = _derive_payload(opt, mode, registry, dep.payload)
-                if payload is None:
-                    pair_failures.append(Rejection(
-                        p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD, why))
-                    continue
+                opt, payload = match
+                used.append(opt)
                 chosen.append(ModeChoice(mode.mode, mode.layout, payload,
                                          mode.max_tokens_per_rank))
                 bound = mode.max_tokens_per_rank
@@ -464,6 +483,7 @@ def plan_layer(
                         "--max-batch-size, or raise the backend's bound)",
                     ))
                 continue
+            opt = used[0]
             last = chosen[-1]
             degradations, notes = [], []
             if opt.runs_as != p.format:

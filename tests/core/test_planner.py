@@ -309,3 +309,18 @@ def test_only_the_bounded_mode_when_the_deployment_fits_it():
     assert [m.comm_mode for m in lp.modes] == ["low_latency"]
     with pytest.raises(ValueError, match="exceeds every mode"):
         lp.mode_for(129)
+
+
+def test_modes_may_use_different_support_blocks_of_one_backend():
+    """A backend declaring its layouts in separate blocks (one per kernel path) still gets the
+    per-batch modes: masked block for the bounded mode, token-major block for the rest."""
+    split = ExpertsBackendSpec(
+        name="split_blocks", factory="m:C", priority=100,
+        supports=[Support(formats=["bf16"], layouts=["token_major"], note="token-major path"),
+                  Support(formats=["bf16"], layouts=["masked"], note="masked path")])
+    reg = registry_with(split, BOUNDED_PLUS_NORMAL)
+    lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                       deployment=Deployment(ep_size=8, max_tokens_per_rank=4096))
+    assert lp.experts == "split_blocks"
+    assert [(m.comm_mode, m.layout) for m in lp.modes] == [
+        ("low_latency", "masked"), ("normal", "token_major")]
