@@ -27,6 +27,13 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     has_correction_bias: bool = False
 
+    @classmethod
+    def from_layer(cls, layer) -> RouterConfig:
+        """The routing rule of a checkpoint's MoE layer (``moe_runtime.checkpoint.MoELayerInfo``)."""
+        r = layer.router
+        return cls(r.scoring, layer.top_k, r.renormalize, r.n_group, r.topk_group,
+                   r.routed_scaling_factor, r.has_correction_bias)
+
     @scoring.validator
     def _check(self, _a, v):
         if v not in ("softmax", "sigmoid"):

@@ -87,3 +87,12 @@ def test_moe_layer_with_shared_expert_matches_transformers_block():
     x = torch.randn(3, 5, 32)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), hf(x), rtol=1e-4, atol=1e-5)
+
+
+def test_router_config_from_a_deepseek_checkpoint_layer(tiny_checkpoint):
+    from moe_runtime.checkpoint import read_checkpoint
+
+    layer = read_checkpoint(tiny_checkpoint("deepseek_v3", "bf16")).moe_layers[0]
+    cfg = RouterConfig.from_layer(layer)
+    assert cfg.scoring == "sigmoid" and cfg.has_correction_bias and cfg.top_k == layer.top_k
+    assert cfg.n_group == layer.router.n_group
