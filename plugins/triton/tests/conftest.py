@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-# The tests import their sibling ``_reference`` and the package from this checkout also under
+# The tests import the package from this checkout (and any sibling helper module) also under
 # ``--import-mode=importlib`` (the repository root's setting). The conformance suite's pytest plugin
 # is declared by the repository root's conftest, or by ``-p`` in this distribution's pyproject.
 _HERE = Path(__file__).resolve().parent
