@@ -64,9 +64,11 @@ SHAPES = {
 TOKENS = [1, 16, 128, 1024, 4096, 16384]
 FORMATS = ["bf16", "fp8_w8a8", "nvfp4_w4a16"]
 GRAPH_MAX_TOKENS = 1024
-PROFILE_ROWS = {("qwen3-30b-a3b", 1), ("qwen3.5-397b-a17b", 128), ("qwen3-30b-a3b", 4096),
+PROFILE_ROWS = {("qwen3-30b-a3b", 1), ("qwen3.5-397b-a17b", 16), ("qwen3.5-397b-a17b", 128),
+                ("qwen3-30b-a3b", 4096),
                 ("deepseek-v3", 4096), ("tiny", 1)}
 ROTATE = 3  # input sets per row
+STAGE_REPEAT = 20  # launches of one stage per graph in the stage profile
 TOL = {"bf16": 1.5e-2, "fp8_w8a8": 4e-2, "nvfp4_w4a16": 1.5e-2}
 
 SMOKE_SHAPES = {
@@ -543,11 +545,30 @@ def _est_rows_per_expert(spec, N):
     return max(1.0, pairs / max(1, min(E_loc, pairs)))
 
 
+DECODE_TUNE_MAX_PAIRS = 32  # rows with at most this many pairs also try the two-kernel decode path
+
+
+def decode_candidates(on_gpu):
+    """(d1s, d2s): tiles of the decode path's two kernels (rows per program, K depth, warps,
+    stages), tuned one kernel at a time."""
+    def d(bn, bk, w, s):
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s if on_gpu else 1}
+    grid = [d(16, 256, 4, 4), d(8, 256, 4, 4), d(32, 128, 4, 4), d(16, 512, 4, 3), d(8, 512, 4, 3),
+            d(32, 256, 8, 3), d(4, 512, 4, 4)]
+    return grid, grid
+
+
+def decode_task_configs(on_gpu):
+    d1s, d2s = decode_candidates(on_gpu)
+    return ([{"decode": True, "d1": d1, "d2": d2s[0]} for d1 in d1s]
+            + [{"decode": True, "d1": d1s[0], "d2": d2} for d2 in d2s[1:]])
+
+
 def our_task_configs(fmt, rows_per_expert, on_gpu, pairs):
 
     code = {"bf16": 0, "fp8_w8a8": 1, "nvfp4_w4a16": 2}[fmt]
     bms, g1s, g2s = our_candidates(code, rows_per_expert, on_gpu)
-    cfgs = []
+    cfgs = decode_task_configs(on_gpu) if pairs <= DECODE_TUNE_MAX_PAIRS else []
     for bm in bms:
         for g1, g2 in zip(g1s, g2s):
             for pre in ((False, True) if code == 1 else (False,)):
@@ -645,10 +666,13 @@ def warm_compile(shapes, tokens, formats, with_mk, mk_path, tune, workers):
                 cfgs = our_task_configs(fmt, rpe, True, pairs) if tune else []
                 cfgs.append(ops.get_config(fmt, E_loc, spec["H"], spec["I"], spec["K"], N))
                 for c in cfgs:
-                    key = ("triton", fmt, json.dumps(c, sort_keys=True))
+                    # the decode path is specialised by top-k as well
+                    key = ("triton", fmt, json.dumps(c, sort_keys=True),
+                           spec["K"] if c.get("decode") else None)
                     if key not in seen:
                         seen.add(key)
-                        tasks.append((first[0], first[1], fmt, min(N, 1024), "triton", c, mk_path))
+                        sn, sp = small[spec["K"]] if c.get("decode") else first
+                        tasks.append((sn, sp, fmt, min(N, 1024), "triton", c, mk_path))
                 if with_mk and fmt in ("bf16", "fp8_w8a8"):
                     for c in mk_grid(rpe):
                         key = ("mk", fmt, json.dumps(c, sort_keys=True), spec["K"], pairs % 16 == 0)
@@ -929,6 +953,14 @@ def main():
                             tb, cb = min(trials, key=lambda z: z[0])
                             c3 = dict(cb, a_prequant=not cb["a_prequant"])
                             trials.append((time_cfg(c3), c3))
+                        if N * K <= DECODE_TUNE_MAX_PAIRS:
+                            d1s, d2s = decode_candidates(device == "cuda")
+                            t_d1 = [(time_cfg({"decode": True, "d1": d1, "d2": d2s[0]}), d1)
+                                    for d1 in d1s]
+                            d1b = min(t_d1, key=lambda z: z[0])[1]
+                            for d2 in d2s:
+                                cd = {"decode": True, "d1": d1b, "d2": d2}
+                                trials.append((time_cfg(cd), cd))
                         trials.append((time_cfg(cfg), cfg))
                         best = min(trials, key=lambda z: z[0])[1]
                         cfg = best
@@ -1034,15 +1066,17 @@ def profile_stages(ops, pw, sets, cfg, timer, use_graph):
     res = {}
     for name, fn, ck in stages:
         if use_graph:
-            gs = timer.graphs([fn])
-            t = timer.run([gs[0][0].replay], target_s=0.03, min_reps=10)
+            # a graph of STAGE_REPEAT launches of the stage: its time per launch is the kernel's
+            # own (with the gap between kernels of a graph), not the graph launch's
+            gs = timer.graphs([lambda fn=fn: [fn() for _ in range(STAGE_REPEAT)]])
+            t = timer.run([gs[0][0].replay], target_s=0.03, min_reps=10) / STAGE_REPEAT
             del gs
         else:
             t = timer.run([fn], target_s=0.05, min_reps=5)
         ent = {"us": round(t * 1e6, 2)}
         if ck is not None and hasattr(ck, "n_regs"):
             ent["regs"], ent["spills"] = ck.n_regs, ck.n_spills
-            if name.startswith("gemm"):
+            if "gemm" in name:
                 try:
                     import re
                     from collections import Counter
@@ -1063,9 +1097,10 @@ def profile_stages(ops, pw, sets, cfg, timer, use_graph):
 
 
 def profile_md(rows):
-    out = ["## Stage profile (each stage alone; graph replay where the row is graph-timed)", "",
-           "A single small kernel replayed alone is bound by the launch (about 11-18 us on the H200",
-           "here), so at decode sizes the split is not resolved; at larger sizes it is.", ""]
+    out = ["## Stage profile (each stage alone)", "",
+           f"Rows timed from CUDA graphs: each stage is captured {STAGE_REPEAT} times in one graph and",
+           "the replay's time divided by that (one graph launch alone costs more than a small",
+           "kernel); the stages' sum is then below the row's own graph time by about one launch.", ""]
     for r in rows:
         pr = r.get("profile")
         if not pr:

@@ -207,50 +207,100 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
+def _e2m1_pairs_asm(packed):
+    """E2M1 bytes (two codes each, low nibble first) -> float16 values of the low and of the high
+    nibbles times ``2**-14``, by bit placement (sign to bit 15, exponent and mantissa to bits 11..9;
+    exponent 0 lands on float16 subnormals, which is exact). Four bytes per instance: one byte
+    permute and four shift/mask/or per pair of codes."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t<6>;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shl.b32 t2, t0, 9;
+        shl.b32 t3, t0, 12;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $0, t2, 0x0E000E00, t3, 0xEA;
+        shl.b32 t2, t1, 9;
+        shl.b32 t3, t1, 12;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $1, t2, 0x0E000E00, t3, 0xEA;
+        shl.b32 t2, t0, 5;
+        shl.b32 t3, t0, 8;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $2, t2, 0x0E000E00, t3, 0xEA;
+        shl.b32 t2, t1, 5;
+        shl.b32 t3, t1, 8;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e2m1_pairs(packed):
+    """Portable form of :func:`_e2m1_pairs_asm` (the interpreter runs no inline assembly)."""
+    b = packed.to(tl.int32)
+    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K, stride_wn, stride_wsn,
+                        n_mask, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    """Rows ``offs_n``, columns ``[k0, k0 + BLOCK_K)`` of an NVFP4 matrix as float16
+    ``[BLOCK_N, BLOCK_K]``: ``E2M1 * block_scale * 2**-7`` (exact in float16 but for near-zero
+    blocks); callers multiply their accumulator by ``2**7 * scale_2``. ``w_ptr`` points at the
+    packed bytes (``[rows, K / 2]``, in the order of :func:`ops.pair_nvfp4_codes`), ``ws_ptr`` at
+    the e4m3 block scales (``[rows, K / 16]``)."""
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kb[None, :]
+    if EVEN_K:
+        wb = tl.load(ptrs, mask=n_mask[:, None], other=0)
+    else:
+        wb = tl.load(ptrs, mask=n_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
+    if USE_ASM:
+        lo, hi = _e2m1_pairs_asm(wb)
+    else:
+        lo, hi = _e2m1_pairs(wb)
+    # bytes (2i, 2i + 1) hold columns 4i, 4i + 1 (low nibbles) and 4i + 2, 4i + 3 (high nibbles):
+    # the decoded pairs then lie in registers in the order the MMA operand wants them
+    lo2 = tl.reshape(lo, (BLOCK_N, BLOCK_K // 4, 2))
+    hi2 = tl.reshape(hi, (BLOCK_N, BLOCK_K // 4, 2))
+    vals = tl.permute(tl.join(lo2, hi2), (0, 1, 3, 2))
+    vals = tl.reshape(vals, (BLOCK_N, BLOCK_K // 16, 16))
+    offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    sptrs = ws_ptr + ws_base + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+    if EVEN_K:
+        sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
+    else:
+        sbytes = tl.load(sptrs, mask=n_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
+    # block scale * 2**7 fits float16 (<= 57344)
+    scale = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    w = vals * scale[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _load_b_tile(
     w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K,
     stride_wn, stride_wsn,
     n_mask, WFMT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, compute_dtype: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, compute_dtype: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """Tile ``[BLOCK_K, BLOCK_N]`` of ``W^T`` rows ``offs_n`` (``W [rows, K]``, K contiguous)."""
     if WFMT == 2:
-        # Packed weights read as int32 words (8 E2M1 codes each; byte j holds columns 2j, 2j+1,
-        # low nibble first). Each int32 op below builds two float16 bit patterns at once: the
-        # codes of columns (c, c + 4) of a word land in the low and high halves. A float16 with
-        # sign at bit 15 and (exponent, mantissa) at bits 11..9 is the E2M1 value times 2**-14
-        # (exact; subnormal for exponent 0).
-        offs_kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kw[None, :]
-        if EVEN_K:
-            wd = tl.load(ptrs, mask=n_mask[:, None], other=0)
-        else:
-            wd = tl.load(ptrs, mask=n_mask[:, None] & (offs_kw[None, :] < K // 8), other=0)
-        MAG: tl.constexpr = 0x0E000E00
-        SGN: tl.constexpr = -2147450880  # 0x80008000 as int32
-        p0 = ((wd << 9) & MAG) | ((wd << 12) & SGN)  # columns 0, 4
-        p1 = ((wd << 5) & MAG) | ((wd << 8) & SGN)  # columns 1, 5
-        p2 = ((wd << 1) & MAG) | ((wd << 4) & SGN)  # columns 2, 6
-        p3 = ((wd >> 3) & MAG) | (wd & SGN)  # columns 3, 7
-        a0 = tl.join(p0.to(tl.int16), (p0 >> 16).to(tl.int16))
-        a1 = tl.join(p1.to(tl.int16), (p1 >> 16).to(tl.int16))
-        a2 = tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))
-        a3 = tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))
-        # [BN, BK/8, 2, 2, 2] with column offset 4a + 2b + c inside a word -> natural order
-        bits = tl.join(tl.join(a0, a2), tl.join(a1, a3))
-        vals = tl.reshape(bits, (BLOCK_N, BLOCK_K)).to(tl.float16, bitcast=True)
-        offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sptrs = ws_ptr + ws_base + offs_n[:, None] * stride_wsn + offs_ks[None, :]
-        if EVEN_K:
-            sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
-        else:
-            sbytes = tl.load(sptrs, mask=n_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
-        # block scale * 2**7 fits float16 (<= 57344); the product below is E2M1 * scale * 2**-7,
-        # exact in float16 for all but near-zero blocks; the epilogue multiplies by 2**7 * scale_2.
-        scale = (_e4m3_to_f32(sbytes) * 128.0).to(tl.float16)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)),
-                           (BLOCK_N, BLOCK_K))
-        w = vals * scale
+        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K, stride_wn, stride_wsn,
+                                n_mask, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
         return tl.trans(w)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -296,7 +346,7 @@ def moe_gemm1_kernel(
     WFMT: tl.constexpr, A_QUANT: tl.constexpr, OUT_FP8: tl.constexpr, ACT: tl.constexpr,
     EVEN_K: tl.constexpr, EXACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    compute_dtype: tl.constexpr,
+    compute_dtype: tl.constexpr, USE_ASM: tl.constexpr = False,
 ):
     """``inter[row, n] = act(x[tok] @ w13[e, n]) * (x[tok] @ w13[e, I + n])`` for sorted rows.
 
@@ -344,9 +394,9 @@ def moe_gemm1_kernel(
         if A_QUANT == 0:
             a = a.to(compute_dtype)
         b_g = _load_b_tile(w_ptr, ws_ptr, w_base_g, ws_base_g, offs_n, k0, H, stride_wn,
-                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype, USE_ASM)
         b_u = _load_b_tile(w_ptr, ws_ptr, w_base_u, ws_base_u, offs_n, k0, H, stride_wn,
-                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+                           stride_wsn, n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype, USE_ASM)
         acc_g = tl.dot(a, b_g, acc_g)
         acc_u = tl.dot(a, b_u, acc_u)
         x_ptrs += BLOCK_K
@@ -387,7 +437,7 @@ def moe_gemm2_kernel(
     stride_im, stride_we, stride_wn, stride_wse, stride_wsn, stride_ym,
     WFMT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    compute_dtype: tl.constexpr,
+    compute_dtype: tl.constexpr, USE_ASM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(H, BLOCK_N)
@@ -418,7 +468,7 @@ def moe_gemm2_kernel(
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < I - k0, other=0.0)
         b = _load_b_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, I, stride_wn, stride_wsn,
-                         n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype)
+                         n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, compute_dtype, USE_ASM)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
 
@@ -462,3 +512,138 @@ def quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, EXACT:
     x = tl.load(x_ptr + offs, mask=m, other=0.0)
     sc = tl.load(scale_ptr)
     tl.store(q_ptr + offs, _quant_fp8(x, sc, 1.0 / sc, EXACT), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode path: a handful of tokens, no routing kernels and no finalize
+# ----------------------------------------------------------------------------------------------
+#
+# With a few (token, expert) pairs the MMA tiles are mostly padding and the four launches of the
+# sorted path (route, GEMM 1, GEMM 2, finalize) cost more than the weights take to read. Two
+# kernels instead: GEMM 1 per pair (its expert read from ``topk_ids`` directly), and GEMM 2 per
+# token that walks the token's experts in order and sums their routing-weighted outputs in
+# registers (deterministic; no atomics). Both reduce on the CUDA cores, in float32.
+
+
+@triton.jit
+def _decode_w_tile(w_ptr, ws_ptr, row_base, ws_base, offs_n, k0, K, stride_wn, stride_wsn, n_mask,
+                   WFMT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """Rows ``offs_n`` x columns ``[k0, k0 + BLOCK_K)`` of one expert's matrix in float32, up to
+    the per-row (fp8) or per-matrix (nvfp4) scale applied by the caller."""
+    if WFMT == 2:
+        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, row_base, ws_base, offs_n, k0, K, stride_wn,
+                                stride_wsn, n_mask, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + row_base + offs_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["P", "E", "topk"])
+def moe_decode_gemm1_kernel(
+    x_ptr, ids_ptr, w_ptr, ws_ptr, ws2_ptr, a_scale_ptr, a2_scale_ptr, inter_ptr,
+    P, E, H, I, topk,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_im,
+    WFMT: tl.constexpr, A_QUANT: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+    EXACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """``inter[pair, n] = act(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n])`` in float32 (fp8:
+    the activation quantization of W8A8 applied to ``x`` and, with ``a2_scale``, to the result).
+    ``A_QUANT`` as in :func:`moe_gemm1_kernel` (1: ``x`` holds fp8 codes of scale ``a_scale``)."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    if (e < 0) | (e >= E):
+        return
+    tok = (pair // topk).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    e64 = e.to(tl.int64)
+    base_g = e64 * stride_we
+    base_u = base_g + I * stride_wn
+    sbase_g = e64 * stride_wse
+    sbase_u = sbase_g + I * stride_wsn
+    if WFMT == 1:
+        a_scale = tl.load(a_scale_ptr)
+        inv_a = 1.0 / a_scale
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + tok * stride_xm + offs_k)
+        else:
+            x = tl.load(x_ptr + tok * stride_xm + offs_k, mask=offs_k < H, other=0.0)
+        if A_QUANT == 2:
+            x = _quant_fp8(x, a_scale, inv_a, EXACT)
+        x = x.to(tl.float32)
+        wg = _decode_w_tile(w_ptr, ws_ptr, base_g, sbase_g, offs_n, k0, H, stride_wn, stride_wsn,
+                            n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+        wu = _decode_w_tile(w_ptr, ws_ptr, base_u, sbase_u, offs_n, k0, H, stride_wn, stride_wsn,
+                            n_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+        acc_g += tl.sum(wg * x[None, :], axis=1)
+        acc_u += tl.sum(wu * x[None, :], axis=1)
+    if WFMT == 1:
+        acc_g = acc_g * tl.load(ws_ptr + sbase_g + offs_n * stride_wsn, mask=n_mask, other=0.0) * a_scale
+        acc_u = acc_u * tl.load(ws_ptr + sbase_u + offs_n * stride_wsn, mask=n_mask, other=0.0) * a_scale
+    if WFMT == 2:
+        s2 = tl.load(ws2_ptr + e) * 128.0
+        acc_g = acc_g * s2
+        acc_u = acc_u * s2
+    if ACT == 0:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476)) * acc_u
+    if WFMT == 1:
+        a2 = tl.load(a2_scale_ptr)
+        h = _quant_fp8(h, a2, 1.0 / a2, EXACT).to(tl.float32)
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, h, mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["E"])
+def moe_decode_gemm2_kernel(
+    inter_ptr, ids_ptr, topk_w_ptr, w_ptr, ws_ptr, ws2_ptr, a2_scale_ptr, out_ptr,
+    E, H, I,
+    stride_im, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    TOPK: tl.constexpr, WFMT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """``out[t, n] = sum_k rw[t, k] * (inter[t * TOPK + k] . w2[e_k, n])`` over the token's valid
+    experts, in order. One flat loop over (expert slot, K block) so that the loads pipeline."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    KB = tl.cdiv(I, BLOCK_K)
+    if WFMT == 1:
+        a2 = tl.load(a2_scale_ptr)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for it in range(0, TOPK * KB):
+        slot = it // KB
+        k0 = (it % KB) * BLOCK_K
+        p = t * TOPK + slot
+        e = tl.load(ids_ptr + p).to(tl.int32)
+        ok = (e >= 0) & (e < E)
+        e64 = tl.where(ok, e, 0).to(tl.int64)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            h = tl.load(inter_ptr + p.to(tl.int64) * stride_im + offs_k)
+        else:
+            h = tl.load(inter_ptr + p.to(tl.int64) * stride_im + offs_k, mask=offs_k < I, other=0.0)
+        w_mask = n_mask & ((offs_n * 0 + ok.to(tl.int32)) > 0)
+        w = _decode_w_tile(w_ptr, ws_ptr, e64 * stride_we, e64 * stride_wse, offs_n, k0, I,
+                           stride_wn, stride_wsn, w_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+        coef = tl.where(ok, tl.load(topk_w_ptr + p).to(tl.float32), 0.0)
+        if WFMT == 1:
+            coef = coef * a2
+        if WFMT == 2:
+            coef = coef * tl.load(ws2_ptr + e64) * 128.0
+        part = tl.sum(w * h.to(tl.float32)[None, :], axis=1) * coef
+        if WFMT == 1:
+            part = part * tl.load(ws_ptr + e64 * stride_wse + offs_n * stride_wsn, mask=n_mask, other=0.0)
+        acc += part
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty),
+             mask=n_mask)

@@ -34,8 +34,12 @@ _ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 TINY_ROUTE_MAX_PAIRS = 64
+DECODE_MAX_PAIRS = 16  # the heuristic's bound for the two-kernel decode path
 SMALL_ROUTE_MAX_PAIRS = 4096
-EXACT_FP8 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+EXACT_FP8 = INTERPRET
+# inline PTX for the NVFP4 decode on GPUs; the interpreter runs the portable form
+USE_ASM = not INTERPRET
 CONFIG_FILE = Path(__file__).with_name("configs.json")
 
 
@@ -46,7 +50,7 @@ class PreparedWeights:
     run_as: str
     wfmt: int
     activation: str
-    w13: torch.Tensor
+    w13: torch.Tensor  # nvfp4: uint8 codes in the order of pair_nvfp4_codes
     w2: torch.Tensor
     w13_scale: torch.Tensor | None  # fp8: float32 [E, 2I]; nvfp4: uint8 (e4m3 bytes) [E, 2I, H/16]
     w2_scale: torch.Tensor | None
@@ -113,14 +117,29 @@ def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeig
         w2s2 = f32(w.w2_scale_2).reshape(-1).expand(E).contiguous()
     w13, w2 = w.w13.contiguous(), w.w2.contiguous()
     if wfmt == K.WFMT_NVFP4:
-        # the kernels read packed codes as int32 words (8 codes per word)
-        w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
+        w13, w2 = pair_nvfp4_codes(w13), pair_nvfp4_codes(w2)
     return PreparedWeights(
         run_as=run_as, wfmt=wfmt, activation=w.activation,
         w13=w13, w2=w2,
         w13_scale=w13s, w2_scale=w2s, w13_scale_2=w13s2, w2_scale_2=w2s2,
         a13_scale=a13, a2_scale=a2, num_experts=E, hidden_size=H, intermediate_size=I,
     )
+
+
+def pair_nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """Reorder packed E2M1 codes for the kernels: checkpoint byte ``j`` holds columns ``2j``
+    (low nibble) and ``2j + 1``; in the result bytes ``2i`` and ``2i + 1`` hold columns ``4i`` and
+    ``4i + 1`` in their low nibbles and ``4i + 2``, ``4i + 3`` in their high nibbles. Decoding a
+    byte's low and high nibbles then yields pairs of adjacent columns, which is how the matrix
+    units take their operands. Same size; block scales (16 columns) are unaffected."""
+    if packed.shape[-1] % 2:
+        raise ValueError(f"packed NVFP4 rows must hold a multiple of 4 columns, got {packed.shape}")
+    b = packed.reshape(*packed.shape[:-1], -1, 2)
+    lo, hi = b & 0x0F, b >> 4
+    c0, c1 = lo[..., 0], hi[..., 0]  # columns 4i, 4i + 1
+    c2, c3 = lo[..., 1], hi[..., 1]  # columns 4i + 2, 4i + 3
+    out = torch.stack([c0 | (c2 << 4), c1 | (c3 << 4)], dim=-1)
+    return out.reshape(packed.shape).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +158,8 @@ def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens:
     rows_per_expert = pairs / max(1, min(E, pairs))
     on_gpu = torch.cuda.is_available()
     stages = 4 if on_gpu else 1
+    if pairs <= DECODE_MAX_PAIRS:
+        return decode_config(fmt_code, H, I, stages)
     if rows_per_expert <= 16:
         bm = 16
         g1 = _gemm_cfg(32, 128, 1, 4, stages)
@@ -162,6 +183,14 @@ def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens:
         g1["BLOCK_K"] = max(g1["BLOCK_K"], 64)
         g2["BLOCK_K"] = max(g2["BLOCK_K"], 64)
     return {"BLOCK_M": bm, "g1": g1, "g2": g2, "a_prequant": pairs > 1024}
+
+
+def decode_config(fmt_code: int, H: int, I: int, stages: int = 4) -> dict:
+    """Tiles of the two-kernel decode path: narrow row blocks (enough programs to keep the memory
+    system busy with a few pairs), deep K (each program streams long rows)."""
+    bk = 256 if fmt_code != K.WFMT_16BIT else 128
+    d = {"BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": stages}
+    return {"decode": True, "d1": dict(d), "d2": dict(d)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -318,6 +347,9 @@ def fused_moe_prepared(
     topk_weights = topk_weights.contiguous()
 
     cfg = config or get_config(pw.run_as, E, H, I, topk, N)
+    if cfg.get("decode"):
+        _decode_path(hidden, topk_ids, topk_weights, pw, cfg, out, go, hidden_scale)
+        return out
     bm = cfg["BLOCK_M"]
     P = N * topk
     R = max_sorted_rows(P, E, bm)
@@ -364,7 +396,7 @@ def fused_moe_prepared(
         WFMT=pw.wfmt, A_QUANT=a_quant, OUT_FP8=pw.wfmt == K.WFMT_FP8,
         ACT=_ACT[pw.activation], EVEN_K=even_k1, EXACT=EXACT_FP8,
         BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
-        compute_dtype=ctype, **_launch_opts(g1),
+        compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g1),
     ))
 
     y = torch.empty((P, H), dtype=out_dtype, device=hidden.device)
@@ -383,7 +415,7 @@ def fused_moe_prepared(
         y.stride(0),
         WFMT=pw.wfmt, EVEN_K=even_k2,
         BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
-        compute_dtype=ctype, **_launch_opts(g2),
+        compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g2),
     ))
 
     bh = min(1024, max(16, _p2(H)))
@@ -392,6 +424,51 @@ def fused_moe_prepared(
         num_warps=4,
     ))
     return out
+
+
+def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict, out, go,
+                 hidden_scale=None) -> None:
+    """Two launches for a few tokens (see ``kernels`` "Decode path"): GEMM 1 per pair, GEMM 2 per
+    token with the combine; float32 intermediate."""
+    N, H = hidden.shape
+    E, I = pw.num_experts, pw.intermediate_size
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    P = N * topk
+    d1, d2 = cfg["d1"], cfg["d2"]
+    inter = torch.empty((P, I), dtype=torch.float32, device=hidden.device)
+    ids = topk_ids.reshape(-1)
+    dummy = ids
+    scale_strides13 = (pw.w13_scale.stride(0), pw.w13_scale.stride(1)) if pw.wfmt != K.WFMT_16BIT else (0, 0)
+    scale_strides2 = (pw.w2_scale.stride(0), pw.w2_scale.stride(1)) if pw.wfmt != K.WFMT_16BIT else (0, 0)
+    x = hidden if pw.wfmt != K.WFMT_16BIT or hidden.dtype == pw.w13.dtype else hidden.to(pw.w13.dtype)
+    a_scale, a_quant = pw.a13_scale, 0
+    if pw.wfmt == K.WFMT_FP8:
+        if hidden.dtype == torch.float8_e4m3fn:
+            a_scale, a_quant = hidden_scale.reshape(1).to(torch.float32), 1
+        else:
+            a_quant = 2
+    go("decode_gemm1", lambda: K.moe_decode_gemm1_kernel[(P, triton.cdiv(I, d1["BLOCK_N"]))](
+        x, ids, pw.w13, pw.w13_scale if pw.w13_scale is not None else dummy,
+        pw.w13_scale_2 if pw.w13_scale_2 is not None else dummy,
+        a_scale if a_scale is not None else dummy,
+        pw.a2_scale if pw.a2_scale is not None else dummy,
+        inter, P, E, H, I, topk,
+        x.stride(0), pw.w13.stride(0), pw.w13.stride(1), *scale_strides13, inter.stride(0),
+        WFMT=pw.wfmt, A_QUANT=a_quant, ACT=_ACT[pw.activation], EVEN_K=H % d1["BLOCK_K"] == 0,
+        EXACT=EXACT_FP8,
+        BLOCK_N=d1["BLOCK_N"], BLOCK_K=d1["BLOCK_K"], USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4,
+        **_launch_opts(d1),
+    ))
+    go("decode_gemm2", lambda: K.moe_decode_gemm2_kernel[(N, triton.cdiv(H, d2["BLOCK_N"]))](
+        inter, ids, topk_weights, pw.w2, pw.w2_scale if pw.w2_scale is not None else dummy,
+        pw.w2_scale_2 if pw.w2_scale_2 is not None else dummy,
+        pw.a2_scale if pw.a2_scale is not None else dummy,
+        out, E, H, I,
+        inter.stride(0), pw.w2.stride(0), pw.w2.stride(1), *scale_strides2, out.stride(0),
+        TOPK=topk, WFMT=pw.wfmt, EVEN_K=I % d2["BLOCK_K"] == 0,
+        BLOCK_N=d2["BLOCK_N"], BLOCK_K=d2["BLOCK_K"], USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4,
+        **_launch_opts(d2),
+    ))
 
 
 def fused_moe(
@@ -409,6 +486,10 @@ def fused_moe(
 
 
 def describe_config(cfg: dict[str, Any]) -> str:
+    if cfg.get("decode"):
+        d1, d2 = cfg["d1"], cfg["d2"]
+        return (f"decode d1[N{d1['BLOCK_N']} K{d1['BLOCK_K']} w{d1['num_warps']} s{d1['num_stages']}] "
+                f"d2[N{d2['BLOCK_N']} K{d2['BLOCK_K']} w{d2['num_warps']} s{d2['num_stages']}]")
     g1, g2 = cfg["g1"], cfg["g2"]
     return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "

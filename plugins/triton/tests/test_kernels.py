@@ -22,7 +22,9 @@ from moe_runtime.quant import (
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
 from moe_runtime.runtime import ExpertWeights
 
-TOL = {"fp16": 5e-3, "bf16": 1e-3, "fp8_w8a8": 5e-3, "nvfp4_w4a16": 5e-3, "nvfp4_w4a4": 5e-3}
+# bf16: on GPUs the output itself is rounded to bf16 (about 2e-3 relative); on CPU the "bf16"
+# layer runs in float32
+TOL = {"fp16": 5e-3, "bf16": 5e-3, "fp8_w8a8": 5e-3, "nvfp4_w4a16": 5e-3, "nvfp4_w4a4": 5e-3}
 # calibrated input maxima of the random layers: fp8 input scales 4/448 and 1/448
 A13_AMAX, A2_AMAX = 4.0, 1.0
 
@@ -315,11 +317,13 @@ def test_rejects_unsupported_run_as():
 
 
 def test_tuned_table_and_heuristic():
-    cfg = ops.get_config("bf16", 3, 40, 24, 2, 5)  # no table entry: heuristic
+    cfg = ops.get_config("bf16", 3, 40, 24, 2, 50)  # no table entry: heuristic
     assert cfg["BLOCK_M"] in (16, 32, 64, 128)
+    cfg = ops.get_config("bf16", 3, 40, 24, 2, 5)  # 10 pairs: the two-kernel decode path
+    assert cfg["decode"] and {"d1", "d2"} <= set(cfg)
     for n in (1, 16, 128, 1024, 4096, 16384):
         cfg = ops.get_config("bf16", 128, 2048, 768, 8, n)
-        assert {"BLOCK_M", "g1", "g2"} <= set(cfg)
+        assert {"BLOCK_M", "g1", "g2"} <= set(cfg) or {"decode", "d1", "d2"} <= set(cfg)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""Compile the Triton plugin's GEMM kernels for a GPU target without a GPU and count instructions.
+
+Profiling aid for issue 8 ("where a target is missed, say what bounds it"): Triton compiles for
+any NVIDIA target with the ``ptxas`` it bundles, so the instruction mix of a kernel's main loop can
+be read on a CPU-only machine. The report lists, per kernel and config, the SASS instructions of
+the innermost loop by opcode, the instructions per weight element of that loop, and whether the
+TTGIR moves data through shared memory for layout conversions (``convert_layout`` /
+``local_alloc`` of computed values).
+
+Usage (any machine; the Triton version decides the code, so use the GPU image's Triton to match)::
+
+    python benchmarks/sass_inspect.py --kernel gemm2 --wfmt 2 --block-m 16 --block-n 128 \
+        --block-k 128 --warps 4 --stages 3 [--arch 90] [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "triton"))
+from moe_runtime_triton import kernels as K  # noqa: E402
+
+_COMMON_PTRS = {"sorted_ptr": "*i32", "bexp_ptr": "*i32"}
+
+
+def _signature(kernel: str, wfmt: int, args_x_fp16: bool = False) -> tuple[object, dict, dict]:
+    w = "*u8" if wfmt == K.WFMT_NVFP4 else ("*fp8e4nv" if wfmt == K.WFMT_FP8 else "*bf16")
+    ws = "*u8" if wfmt == K.WFMT_NVFP4 else "*fp32"
+    act = ("*fp16" if args_x_fp16 and wfmt == K.WFMT_NVFP4 else "*bf16") if wfmt != K.WFMT_FP8 else "*fp8e4nv"
+    inter = "*fp16" if wfmt == K.WFMT_NVFP4 else ("*fp8e4nv" if wfmt == K.WFMT_FP8 else "*bf16")
+    if kernel == "gemm1":
+        fn = K.moe_gemm1_kernel
+        sig = {"x_ptr": act, "w_ptr": w, "ws_ptr": ws, "ws2_ptr": "*fp32", "a_scale_ptr": "*fp32",
+               "a2_scale_ptr": "*fp32", "inter_ptr": inter, **_COMMON_PTRS}
+        ints = ["P", "E", "H", "I", "num_m_blocks", "topk", "stride_xm", "stride_we", "stride_wn",
+                "stride_wse", "stride_wsn", "stride_im"]
+    else:
+        fn = K.moe_gemm2_kernel
+        sig = {"inter_ptr": inter, "w_ptr": w, "ws_ptr": ws, "ws2_ptr": "*fp32", "a2_scale_ptr": "*fp32",
+               "topk_w_ptr": "*fp32", "y_ptr": "*bf16", **_COMMON_PTRS}
+        ints = ["P", "E", "H", "I", "num_m_blocks", "stride_im", "stride_we", "stride_wn",
+                "stride_wse", "stride_wsn", "stride_ym"]
+    for name in ints:
+        sig[name] = "i32"
+    return fn, sig, {}
+
+
+def compile_kernel(args) -> object:
+    fn, sig, _ = _signature(args.kernel, args.wfmt, args.x_fp16)
+    ctype = {K.WFMT_NVFP4: triton.language.float16, K.WFMT_FP8: triton.language.float8e4nv}.get(
+        args.wfmt, triton.language.bfloat16)
+    consts = {"WFMT": args.wfmt, "EVEN_K": True, "BLOCK_M": args.block_m, "BLOCK_N": args.block_n,
+              "BLOCK_K": args.block_k, "GROUP_M": 1, "compute_dtype": ctype}
+    if args.kernel == "gemm1":
+        consts.update({"A_QUANT": 2 if args.wfmt == K.WFMT_FP8 else 0,
+                       "OUT_FP8": args.wfmt == K.WFMT_FP8, "ACT": 0, "EXACT": False})
+    consts["USE_ASM"] = args.asm
+    for name in fn.arg_names:
+        if name not in sig:
+            sig[name] = "constexpr"
+    # what the JIT would specialize at a launch: pointers and strides divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name.startswith("stride") or name in ("H", "I")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", args.arch, 32)
+    return triton.compile(src, target=target,
+                          options={"num_warps": args.warps, "num_stages": args.stages})
+
+
+# Triton's disassembly: "LBB2:" labels, "ctrl\t[@P0 ]OPCODE ...;" instructions (nvdisasm's
+# ".L_x_2:" / "/*0040*/ OPCODE" form is accepted too)
+_LABEL = re.compile(r"^\s*\.?(L\w+):\s*$")
+_BRA = re.compile(r"BRA\s+(?:`\()?\.?(L\w+)")
+_INSTR = re.compile(r"^(?:[-\w:]+\t|\s*/\*[0-9a-f]{4,}\*/\s+)(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def innermost_loop(sass: str) -> list[str]:
+    """Opcodes of the backward branch's body with the smallest span (the hot loop)."""
+    lines = sass.splitlines()
+    labels, instrs = {}, []
+    for line in lines:
+        m = _LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = _INSTR.search(line)
+        if m:
+            instrs.append((m.group(1), line))
+    best = None
+    for idx, (op, line) in enumerate(instrs):
+        if op.startswith("BRA"):
+            b = _BRA.search(line)
+            if b and b.group(1) in labels and labels[b.group(1)] <= idx:
+                span = (labels[b.group(1)], idx + 1)
+                # the main loop: the largest backward loop (inner tiny loops are fills)
+                if best is None or span[1] - span[0] > best[1] - best[0]:
+                    best = span
+    if best is None:
+        return [op for op, _ in instrs]
+    return [op for op, _ in instrs[best[0]:best[1]]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=["gemm1", "gemm2"], default="gemm2")
+    ap.add_argument("--wfmt", type=int, default=K.WFMT_NVFP4, help="0 = 16-bit, 1 = fp8, 2 = nvfp4")
+    ap.add_argument("--block-m", type=int, default=16)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--block-k", type=int, default=128)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--x-fp16", action="store_true", help="GEMM 1 activations in float16")
+    ap.add_argument("--asm", action="store_true", help="NVFP4 decode by inline PTX (as on GPUs)")
+    ap.add_argument("--dump", type=Path, help="write ttgir/ptx/sass here")
+    args = ap.parse_args(argv)
+    k = compile_kernel(args)
+    sass = k.asm.get("sass") or ""
+    if not sass:
+        from triton.tools.disasm import get_sass
+        sass = get_sass(k.asm["cubin"])
+    ttgir = k.asm["ttgir"]
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            (args.dump / f"{args.kernel}.{ext}").write_text(k.asm[ext])
+        (args.dump / f"{args.kernel}.sass").write_text(sass)
+    loop = innermost_loop(sass)
+    hist = collections.Counter(op.split(".")[0] for op in loop)
+    per_iter_weights = args.block_n * args.block_k * (2 if args.kernel == "gemm1" else 1)
+    print(f"{args.kernel} wfmt={args.wfmt} M{args.block_m} N{args.block_n} K{args.block_k} "
+          f"w{args.warps} s{args.stages} sm_{args.arch}: shared {k.metadata.shared} B, "
+          f"regs {getattr(k, 'n_regs', '?')}")
+    threads = 32 * args.warps
+    print(f"  main loop: {len(loop)} SASS instructions per thread per iteration, "
+          f"{len(loop) * threads / per_iter_weights:.2f} thread-instructions per weight")
+    print("  " + ", ".join(f"{op} {n}" for op, n in hist.most_common()))
+    conv = len(re.findall(r"ttg\.convert_layout", ttgir))
+    allocs = len(re.findall(r"ttg\.local_alloc", ttgir))
+    print(f"  ttgir: {conv} convert_layout, {allocs} local_alloc, "
+          f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
