@@ -42,6 +42,18 @@ def _signature(kernel: str, wfmt: int, args_x_fp16: bool = False) -> tuple[objec
                "a2_scale_ptr": "*fp32", "inter_ptr": inter, **_COMMON_PTRS}
         ints = ["P", "E", "H", "I", "num_m_blocks", "topk", "stride_xm", "stride_we", "stride_wn",
                 "stride_wse", "stride_wsn", "stride_im"]
+    elif kernel == "decode1":
+        fn = K.moe_decode_gemm1_kernel
+        sig = {"x_ptr": act, "ids_ptr": "*i32", "w_ptr": w, "ws_ptr": ws, "ws2_ptr": "*fp32",
+               "a_scale_ptr": "*fp32", "a2_scale_ptr": "*fp32", "inter_ptr": "*fp32"}
+        ints = ["P", "E", "H", "I", "topk", "stride_xm", "stride_we", "stride_wn", "stride_wse",
+                "stride_wsn", "stride_im"]
+    elif kernel == "decode2":
+        fn = K.moe_decode_gemm2_kernel
+        sig = {"inter_ptr": "*fp32", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", "w_ptr": w,
+               "ws_ptr": ws, "ws2_ptr": "*fp32", "a2_scale_ptr": "*fp32", "out_ptr": "*bf16"}
+        ints = ["E", "H", "I", "stride_im", "stride_we", "stride_wn", "stride_wse", "stride_wsn",
+                "stride_om"]
     else:
         fn = K.moe_gemm2_kernel
         sig = {"inter_ptr": inter, "w_ptr": w, "ws_ptr": ws, "ws2_ptr": "*fp32", "a2_scale_ptr": "*fp32",
@@ -57,12 +69,19 @@ def compile_kernel(args) -> object:
     fn, sig, _ = _signature(args.kernel, args.wfmt, args.x_fp16)
     ctype = {K.WFMT_NVFP4: triton.language.float16, K.WFMT_FP8: triton.language.float8e4nv}.get(
         args.wfmt, triton.language.bfloat16)
-    consts = {"WFMT": args.wfmt, "EVEN_K": True, "BLOCK_M": args.block_m, "BLOCK_N": args.block_n,
-              "BLOCK_K": args.block_k, "GROUP_M": 1, "compute_dtype": ctype}
+    if args.kernel.startswith("decode"):
+        consts = {"WFMT": args.wfmt, "EVEN_K": True, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
+                  "USE_ASM": args.asm}
+        consts.update({"A_QUANT": 2 if args.wfmt == K.WFMT_FP8 else 0, "ACT": 0, "EXACT": False}
+                      if args.kernel == "decode1" else {"TOPK": 8})
+    else:
+        consts = {"WFMT": args.wfmt, "EVEN_K": True, "BLOCK_M": args.block_m, "BLOCK_N": args.block_n,
+                  "BLOCK_K": args.block_k, "GROUP_M": 1, "compute_dtype": ctype}
     if args.kernel == "gemm1":
         consts.update({"A_QUANT": 2 if args.wfmt == K.WFMT_FP8 else 0,
                        "OUT_FP8": args.wfmt == K.WFMT_FP8, "ACT": 0, "EXACT": False})
-    consts["USE_ASM"] = args.asm
+    if not args.kernel.startswith("decode"):
+        consts["USE_ASM"] = args.asm
     for name in fn.arg_names:
         if name not in sig:
             sig[name] = "constexpr"
@@ -110,7 +129,7 @@ def innermost_loop(sass: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["gemm1", "gemm2"], default="gemm2")
+    ap.add_argument("--kernel", choices=["gemm1", "gemm2", "decode1", "decode2"], default="gemm2")
     ap.add_argument("--wfmt", type=int, default=K.WFMT_NVFP4, help="0 = 16-bit, 1 = fp8, 2 = nvfp4")
     ap.add_argument("--block-m", type=int, default=16)
     ap.add_argument("--block-n", type=int, default=128)
@@ -135,7 +154,9 @@ def main(argv=None) -> int:
         (args.dump / f"{args.kernel}.sass").write_text(sass)
     loop = innermost_loop(sass)
     hist = collections.Counter(op.split(".")[0] for op in loop)
-    per_iter_weights = args.block_n * args.block_k * (2 if args.kernel == "gemm1" else 1)
+    # GEMM 1 reads gate and up rows; the decode GEMM 2 reads the rows of all 8 experts at once
+    per_iter_weights = args.block_n * args.block_k * {"gemm1": 2, "decode1": 2, "decode2": 8}.get(
+        args.kernel, 1)
     print(f"{args.kernel} wfmt={args.wfmt} M{args.block_m} N{args.block_n} K{args.block_k} "
           f"w{args.warps} s{args.stages} sm_{args.arch}: shared {k.metadata.shared} B, "
           f"regs {getattr(k, 'n_regs', '?')}")

@@ -254,16 +254,16 @@ def _e2m1_pairs(packed):
 
 
 @triton.jit
-def _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K, stride_wn, stride_wsn,
-                        n_mask, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_ASM: tl.constexpr):
-    """Rows ``offs_n``, columns ``[k0, k0 + BLOCK_K)`` of an NVFP4 matrix as float16
+def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """``BLOCK_N`` rows (starting at element offsets ``row_off`` of the packed bytes and
+    ``srow_off`` of the scales), columns ``[k0, k0 + BLOCK_K)`` of NVFP4 matrices as float16
     ``[BLOCK_N, BLOCK_K]``: ``E2M1 * block_scale * 2**-7`` (exact in float16 but for near-zero
     blocks); callers multiply their accumulator by ``2**7 * scale_2``. ``w_ptr`` points at the
     packed bytes (``[rows, K / 2]``, in the order of :func:`ops.pair_nvfp4_codes`), ``ws_ptr`` at
     the e4m3 block scales (``[rows, K / 16]``)."""
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ptrs = w_ptr + w_base + offs_n[:, None] * stride_wn + offs_kb[None, :]
+    ptrs = w_ptr + row_off[:, None] + offs_kb[None, :]
     if EVEN_K:
         wb = tl.load(ptrs, mask=n_mask[:, None], other=0)
     else:
@@ -279,7 +279,7 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K, stride_wn
     vals = tl.permute(tl.join(lo2, hi2), (0, 1, 3, 2))
     vals = tl.reshape(vals, (BLOCK_N, BLOCK_K // 16, 16))
     offs_ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    sptrs = ws_ptr + ws_base + offs_n[:, None] * stride_wsn + offs_ks[None, :]
+    sptrs = ws_ptr + srow_off[:, None] + offs_ks[None, :]
     if EVEN_K:
         sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
     else:
@@ -299,8 +299,9 @@ def _load_b_tile(
 ):
     """Tile ``[BLOCK_K, BLOCK_N]`` of ``W^T`` rows ``offs_n`` (``W [rows, K]``, K contiguous)."""
     if WFMT == 2:
-        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base, ws_base, offs_n, k0, K, stride_wn, stride_wsn,
-                                n_mask, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base + offs_n * stride_wn,
+                                ws_base + offs_n * stride_wsn, k0, K, n_mask, EVEN_K, BLOCK_N,
+                                BLOCK_K, USE_ASM)
         return tl.trans(w)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -532,8 +533,9 @@ def _decode_w_tile(w_ptr, ws_ptr, row_base, ws_base, offs_n, k0, K, stride_wn, s
     """Rows ``offs_n`` x columns ``[k0, k0 + BLOCK_K)`` of one expert's matrix in float32, up to
     the per-row (fp8) or per-matrix (nvfp4) scale applied by the caller."""
     if WFMT == 2:
-        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, row_base, ws_base, offs_n, k0, K, stride_wn,
-                                stride_wsn, n_mask, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
+        w = _dequant_nvfp4_tile(w_ptr, ws_ptr, row_base + offs_n * stride_wn,
+                                ws_base + offs_n * stride_wsn, k0, K, n_mask, EVEN_K, BLOCK_N,
+                                BLOCK_K, USE_ASM)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         ptrs = w_ptr + row_base + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -613,37 +615,56 @@ def moe_decode_gemm2_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """``out[t, n] = sum_k rw[t, k] * (inter[t * TOPK + k] . w2[e_k, n])`` over the token's valid
-    experts, in order. One flat loop over (expert slot, K block) so that the loads pipeline."""
+    experts. All of a token's experts are read in the same iteration (rows ``slot * BLOCK_N + j``
+    of one tile): with one token the grid is only ``H / BLOCK_N`` programs, and walking the experts
+    one after another would leave too few bytes in flight per SM."""
+    SLOTS: tl.constexpr = triton.next_power_of_2(TOPK)
+    R: tl.constexpr = SLOTS * BLOCK_N
     t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    KB = tl.cdiv(I, BLOCK_K)
+    slot = tl.arange(0, SLOTS)
+    p = t * TOPK + slot
+    e = tl.load(ids_ptr + p, mask=slot < TOPK, other=-1).to(tl.int32)
+    ok = (slot < TOPK) & (e >= 0) & (e < E)
+    e64 = tl.where(ok, e, 0).to(tl.int64)
+    coef = tl.where(ok, tl.load(topk_w_ptr + p, mask=ok, other=0.0).to(tl.float32), 0.0)
     if WFMT == 1:
-        a2 = tl.load(a2_scale_ptr)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for it in range(0, TOPK * KB):
-        slot = it // KB
-        k0 = (it % KB) * BLOCK_K
-        p = t * TOPK + slot
-        e = tl.load(ids_ptr + p).to(tl.int32)
-        ok = (e >= 0) & (e < E)
-        e64 = tl.where(ok, e, 0).to(tl.int64)
+        coef = coef * tl.load(a2_scale_ptr)
+    if WFMT == 2:
+        coef = coef * tl.load(ws2_ptr + e64, mask=ok, other=0.0) * 128.0
+
+    r = tl.arange(0, R)
+    r_slot = r // BLOCK_N
+    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    r_p = t * TOPK + r_slot
+    r_e = tl.load(ids_ptr + r_p, mask=r_slot < TOPK, other=-1).to(tl.int32)
+    r_ok = (r_slot < TOPK) & (r_e >= 0) & (r_e < E) & (offs_n < H)
+    r_e64 = tl.where(r_ok, r_e, 0).to(tl.int64)
+    row_off = r_e64 * stride_we + offs_n * stride_wn
+    srow_off = r_e64 * stride_wse + offs_n * stride_wsn
+    h_off = r_p.to(tl.int64) * stride_im
+
+    part = tl.zeros((R,), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            h = tl.load(inter_ptr + p.to(tl.int64) * stride_im + offs_k)
+            h = tl.load(inter_ptr + h_off[:, None] + offs_k[None, :], mask=r_ok[:, None], other=0.0)
         else:
-            h = tl.load(inter_ptr + p.to(tl.int64) * stride_im + offs_k, mask=offs_k < I, other=0.0)
-        w_mask = n_mask & ((offs_n * 0 + ok.to(tl.int32)) > 0)
-        w = _decode_w_tile(w_ptr, ws_ptr, e64 * stride_we, e64 * stride_wse, offs_n, k0, I,
-                           stride_wn, stride_wsn, w_mask, WFMT, EVEN_K, BLOCK_N, BLOCK_K, USE_ASM)
-        coef = tl.where(ok, tl.load(topk_w_ptr + p).to(tl.float32), 0.0)
-        if WFMT == 1:
-            coef = coef * a2
+            h = tl.load(inter_ptr + h_off[:, None] + offs_k[None, :],
+                        mask=r_ok[:, None] & (offs_k[None, :] < I), other=0.0)
         if WFMT == 2:
-            coef = coef * tl.load(ws2_ptr + e64) * 128.0
-        part = tl.sum(w * h.to(tl.float32)[None, :], axis=1) * coef
-        if WFMT == 1:
-            part = part * tl.load(ws_ptr + e64 * stride_wse + offs_n * stride_wsn, mask=n_mask, other=0.0)
-        acc += part
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty),
-             mask=n_mask)
+            w = _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, I, r_ok, EVEN_K, R,
+                                    BLOCK_K, USE_ASM)
+        else:
+            wp = w_ptr + row_off[:, None] + offs_k[None, :]
+            if EVEN_K:
+                w = tl.load(wp, mask=r_ok[:, None], other=0.0)
+            else:
+                w = tl.load(wp, mask=r_ok[:, None] & (offs_k[None, :] < I), other=0.0)
+        part += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=1)
+    if WFMT == 1:
+        part = part * tl.load(ws_ptr + srow_off, mask=r_ok, other=0.0)
+    contrib = tl.reshape(part, (SLOTS, BLOCK_N)) * coef[:, None]
+    acc = tl.sum(contrib, axis=0)
+    offs_o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_o, acc.to(out_ptr.dtype.element_ty),
+             mask=offs_o < H)
