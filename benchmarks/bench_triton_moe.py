@@ -553,9 +553,12 @@ def decode_candidates(on_gpu):
     stages), tuned one kernel at a time."""
     def d(bn, bk, w, s):
         return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s if on_gpu else 1}
-    grid = [d(16, 256, 4, 4), d(8, 256, 4, 4), d(32, 128, 4, 4), d(16, 512, 4, 3), d(8, 512, 4, 3),
-            d(32, 256, 8, 3), d(4, 512, 4, 4)]
-    return grid, grid
+    d1s = [d(16, 256, 4, 4), d(8, 256, 4, 4), d(32, 128, 4, 4), d(16, 512, 4, 3), d(8, 512, 4, 3),
+           d(32, 256, 8, 3), d(4, 512, 4, 4)]
+    # GEMM 2 tiles hold the rows of all top-k experts: fewer rows per expert
+    d2s = [d(4, 256, 4, 4), d(8, 128, 4, 4), d(4, 512, 8, 3), d(8, 256, 8, 3), d(2, 512, 4, 4),
+           d(16, 64, 4, 4), d(2, 256, 4, 4)]
+    return d1s, d2s
 
 
 def decode_task_configs(on_gpu):

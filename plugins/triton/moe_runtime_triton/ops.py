@@ -188,9 +188,10 @@ def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens:
 def decode_config(fmt_code: int, H: int, I: int, stages: int = 4) -> dict:
     """Tiles of the two-kernel decode path: narrow row blocks (enough programs to keep the memory
     system busy with a few pairs), deep K (each program streams long rows)."""
-    bk = 256 if fmt_code != K.WFMT_16BIT else 128
-    d = {"BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": stages}
-    return {"decode": True, "d1": dict(d), "d2": dict(d)}
+    d1 = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": stages}
+    # GEMM 2's tile holds the rows of all of a token's experts
+    d2 = {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": stages}
+    return {"decode": True, "d1": d1, "d2": d2}
 
 
 @functools.lru_cache(maxsize=1)
