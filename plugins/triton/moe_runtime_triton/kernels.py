@@ -83,7 +83,9 @@ def route_small_kernel(
     e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
     valid = pmask & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
-    rank = tl.atomic_add(scratch_ptr + e, tl.full([P_P2], 1, tl.int32), mask=valid)
+    # relaxed: only atomicity is needed (the barrier below orders the phases); the default
+    # acq_rel puts a GPU-wide memory barrier before every atomic
+    rank = tl.atomic_add(scratch_ptr + e, tl.full([P_P2], 1, tl.int32), mask=valid, sem="relaxed")
     tl.debug_barrier()
 
     counts = tl.load(scratch_ptr + eo, mask=emask, other=0, cache_modifier=".cg")
@@ -142,7 +144,7 @@ def route_count_kernel(
     e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
     valid = pmask & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
-    rank = tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    rank = tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=valid, sem="relaxed")
     tl.store(rank_ptr + po, rank, mask=pmask)
     base = pid * fill_per_program
     for start in range(0, fill_per_program, BLOCK):
