@@ -515,6 +515,11 @@ def our_candidates(fmt_code, rows_per_expert, on_gpu):
         bms = [16, 32]
         g1s = [g(32, 128, 1, 4, 4), g(64, 128, 1, 4, 4), g(64, 64, 4, 4, 4), g(32, 256, 1, 4, 3)]
         g2s = [g(64, 128, 1, 4, 4), g(128, 64, 4, 4, 4), g(128, 128, 1, 4, 3), g(64, 64, 4, 4, 4)]
+        if fmt_code == 2:
+            # NVFP4 is bound by the decode's instructions: wide tiles share more of the per-tile
+            # work (benchmarks/sass_inspect.py: 4.3 against 5.0 instructions per weight)
+            g1s += [g(128, 128, 1, 4, 3), g(256, 128, 1, 8, 3)]
+            g2s += [g(256, 128, 1, 4, 3), g(256, 128, 1, 8, 3)]
     elif rows_per_expert <= 160:
         bms = [64, 128]
         g1s = [g(64, 64, 8, 4, 4), g(64, 128, 8, 4, 3), g(128, 64, 8, 8, 3), g(64, 64, 8, 8, 4)]
