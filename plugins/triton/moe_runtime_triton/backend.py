@@ -24,9 +24,9 @@ class TritonExperts(ExpertsBackend):
             raise ValueError(
                 f"layer {self.setup.problem.name}: the triton backend got weights of "
                 f"{weights.num_experts} experts, expected the {expected} local experts")
-        if self.setup.layout != F.TOKEN_MAJOR:
-            raise ValueError(f"the triton backend consumes the token_major layout, not "
-                             f"{self.setup.layout!r}")
+        if self.setup.layout not in (F.TOKEN_MAJOR, F.MASKED):
+            raise ValueError(f"the triton backend consumes the token_major and masked layouts, "
+                             f"not {self.setup.layout!r}")
         self.weights = ops.prepare_weights(weights, self.setup.runs_as)
         self._top_k = self.setup.problem.top_k
 
@@ -37,13 +37,18 @@ class TritonExperts(ExpertsBackend):
                               top_k, n_tokens)
 
     def forward(self, d: Dispatched) -> torch.Tensor:
-        if d.layout != F.TOKEN_MAJOR:
-            raise ValueError(f"the triton backend consumes token_major, got {d.layout!r}")
+        if d.layout not in (F.TOKEN_MAJOR, F.MASKED):
+            raise ValueError(f"the triton backend consumes token_major or masked, got {d.layout!r}")
         hidden_scale = None
         if d.payload == F.FP8:
             hidden_scale = d.hidden_scale
         elif d.payload != F.UNQUANTIZED:
             raise ValueError(f"the triton backend does not accept payload {d.payload!r}")
+        if d.layout == F.MASKED:
+            if d.masked_m is None:
+                raise ValueError("a masked dispatch must carry masked_m (valid rows per expert)")
+            return ops.fused_moe_masked(d.hidden, d.masked_m, self.weights,
+                                        hidden_scale=hidden_scale, out_dtype=d.out_dtype)
         ids = d.topk_ids
         top_k = ids.shape[1] if ids.dim() == 2 else 1
         cfg = self._config(int(d.hidden.shape[0]), top_k)

@@ -670,3 +670,27 @@ def moe_decode_gemm2_kernel(
     offs_o = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_o, acc.to(out_ptr.dtype.element_ty),
              mask=offs_o < H)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked layout: rows already grouped by expert
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M", "Mp", "E"])
+def route_masked_kernel(masked_m_ptr, sorted_ptr, bexp_ptr, M, Mp, E,
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted order of a masked batch ``hidden [E, M, H]``: expert ``e`` owns rows
+    ``[e * Mp, (e + 1) * Mp)`` (``Mp`` = ``M`` rounded up to ``BLOCK_M``); row ``e * Mp + j`` is
+    pair ``e * M + j`` if ``j < masked_m[e]``, else padding (``E * M``). Row blocks past an
+    expert's count get -1 in ``bexp`` so that the GEMMs skip them."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rmask = offs < E * Mp
+    e = offs // Mp
+    j = offs % Mp
+    cnt = tl.load(masked_m_ptr + e, mask=rmask, other=0).to(tl.int32)
+    cnt = tl.minimum(tl.maximum(cnt, 0), M)
+    valid = j < cnt
+    tl.store(sorted_ptr + offs, tl.where(valid, e * M + j, E * M), mask=rmask)
+    start = rmask & (offs % BLOCK_M == 0)
+    tl.store(bexp_ptr + offs // BLOCK_M, tl.where(valid, e, -1), mask=start)

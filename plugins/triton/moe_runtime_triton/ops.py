@@ -152,13 +152,14 @@ def _gemm_cfg(bn, bk, group_m, warps, stages):
             "num_stages": stages}
 
 
-def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens: int) -> dict:
+def heuristic_config(fmt_code: int, E: int, H: int, I: int, topk: int, n_tokens: int,
+                     allow_decode: bool = True) -> dict:
     """A config from the shape and token count, for shapes the tuned table lacks."""
     pairs = max(1, n_tokens * topk)
     rows_per_expert = pairs / max(1, min(E, pairs))
     on_gpu = torch.cuda.is_available()
     stages = 4 if on_gpu else 1
-    if pairs <= DECODE_MAX_PAIRS:
+    if pairs <= DECODE_MAX_PAIRS and allow_decode:
         return decode_config(fmt_code, H, I, stages)
     if rows_per_expert <= 16:
         bm = 16
@@ -357,8 +358,86 @@ def fused_moe_prepared(
     sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
     bexp = torch.empty(R // bm, dtype=torch.int32, device=hidden.device)
     go("route", lambda: route_into(topk_ids, E, bm, sorted_ids, bexp))
+    y = torch.empty((P, H), dtype=out_dtype, device=hidden.device)
+    _sorted_gemms(hidden, hidden_scale, compute, sorted_ids, bexp, P, topk, topk_weights, y, pw,
+                  cfg, go)
+
+    bh = min(1024, max(16, _p2(H)))
+    go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
+        y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh,
+        num_warps=4,
+    ))
+    return out
+
+
+def fused_moe_masked(
+    hidden: torch.Tensor,
+    masked_m: torch.Tensor,
+    pw: PreparedWeights,
+    *,
+    hidden_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Masked layout: ``out[e, j] = expert_e(hidden[e, j])`` for ``j < masked_m[e]``, unweighted
+    (rows past an expert's count are left unwritten: the layout ignores them).
+
+    ``hidden [E, M, H]`` is 16-bit (or float32), or float8_e4m3fn with ``hidden_scale`` (fp8_w8a8
+    only); ``masked_m [E]`` int. No host synchronisation: CUDA-graph capturable. ``config`` is a
+    sorted-path config (``BLOCK_M``, ``g1``, ``g2``); by default the heuristic's for ``M`` rows per
+    expert."""
+    if hidden.dim() != 3:
+        raise ValueError(f"masked hidden must be [experts, max_tokens, hidden], got {tuple(hidden.shape)}")
+    E, M, H = hidden.shape
+    if E != pw.num_experts or H != pw.hidden_size:
+        raise ValueError(f"masked hidden {tuple(hidden.shape)} does not match the weights' "
+                         f"{pw.num_experts} experts of hidden size {pw.hidden_size}")
+    if masked_m.numel() != E:
+        raise ValueError(f"masked_m must hold one count per expert ({E}), got {masked_m.numel()}")
+    prequant_in = hidden.dtype == torch.float8_e4m3fn
+    if prequant_in and (pw.wfmt != K.WFMT_FP8 or hidden_scale is None):
+        raise ValueError("fp8 activations are accepted only for fp8_w8a8 with their hidden_scale")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if prequant_in else hidden.dtype
+    out = torch.empty((E, M, H), dtype=out_dtype, device=hidden.device)
+    if E * M == 0:
+        return out
+    compute = {K.WFMT_16BIT: pw.w13.dtype, K.WFMT_NVFP4: torch.float16}.get(pw.wfmt,
+                                                                          torch.float8_e4m3fn)
+    if pw.wfmt == K.WFMT_16BIT and hidden.dtype != compute:
+        hidden = hidden.to(compute)
+    x = hidden.reshape(E * M, H)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    cfg = config or heuristic_config(pw.wfmt, E, H, pw.intermediate_size, 1, E * M,
+                                     allow_decode=False)
+    if cfg.get("decode"):
+        raise ValueError("the masked layout runs the sorted path; pass a config with BLOCK_M, g1, g2")
+    bm = cfg["BLOCK_M"]
+    Mp = triton.cdiv(M, bm) * bm
+    sorted_ids = torch.empty(E * Mp, dtype=torch.int32, device=hidden.device)
+    bexp = torch.empty(E * Mp // bm, dtype=torch.int32, device=hidden.device)
+    blk = 1024
+    K.route_masked_kernel[(triton.cdiv(E * Mp, blk),)](
+        masked_m.contiguous(), sorted_ids, bexp, M, Mp, E, BLOCK_M=bm, BLOCK=blk, num_warps=4)
+    ones = torch.ones(E * M, dtype=torch.float32, device=hidden.device)
+    _sorted_gemms(x, hidden_scale, compute, sorted_ids, bexp, E * M, 1, ones,
+                  out.view(E * M, H), pw, cfg, lambda name, fn: fn())
+    return out
+
+
+def _sorted_gemms(hidden, hidden_scale, compute, sorted_ids, bexp, P: int, topk: int, topk_weights,
+                  y, pw: PreparedWeights, cfg: dict, go) -> None:
+    """GEMM 1 and GEMM 2 over rows in sorted order: ``y[pair] = topk_weights[pair] *
+    expert(hidden[pair // topk])`` for the valid rows of ``sorted_ids`` (``P`` marks padding;
+    row blocks whose ``bexp`` is -1 are skipped)."""
+    H = hidden.shape[1]
+    E, I = pw.num_experts, pw.intermediate_size
+    bm = cfg["BLOCK_M"]
+    R = sorted_ids.numel()
     num_m_blocks = R // bm
     ctype = _TL_DTYPE.get(compute, tl.bfloat16)
+    prequant_in = hidden.dtype == torch.float8_e4m3fn
 
     # activations into GEMM 1
     a_scale = pw.a13_scale
@@ -400,7 +479,6 @@ def fused_moe_prepared(
         compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g1),
     ))
 
-    y = torch.empty((P, H), dtype=out_dtype, device=hidden.device)
     g2 = cfg["g2"]
     even_k2 = I % g2["BLOCK_K"] == 0
     grid2 = (num_m_blocks * triton.cdiv(H, g2["BLOCK_N"]),)
@@ -418,13 +496,6 @@ def fused_moe_prepared(
         BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
         compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g2),
     ))
-
-    bh = min(1024, max(16, _p2(H)))
-    go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
-        y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh,
-        num_warps=4,
-    ))
-    return out
 
 
 def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict, out, go,

@@ -28,24 +28,24 @@ TRITON_EXPERTS = ExpertsBackendSpec(
     factory="moe_runtime_triton.backend:TritonExperts",
     supports=(
         Support(
-            formats=(F.BF16, F.FP16), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR,),
+            formats=(F.BF16, F.FP16), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED,), hardware=_cuda("8.0"),
             note="Triton grouped GEMMs, BF16/FP16 tensor cores",
         ),
         Support(
-            formats=(F.FP8_W8A8,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR,),
+            formats=(F.FP8_W8A8,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED, F.FP8), hardware=_cuda("8.9"),
             note="Triton grouped GEMMs on FP8 tensor cores; activations quantized per tensor "
                  "with the checkpoint's input scales",
         ),
         Support(
-            formats=(F.NVFP4_W4A16,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR,),
+            formats=(F.NVFP4_W4A16,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED,), hardware=_cuda("8.0"), shape_multiple=16,
             note="NVFP4 weights dequantized in the GEMM main loop (weights stay 4-bit in "
                  "memory), 16-bit tensor cores",
         ),
         Support(
-            formats=(F.NVFP4_W4A4,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR,),
+            formats=(F.NVFP4_W4A4,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED,), hardware=_cuda("8.0"), shape_multiple=16,
             runs_as=F.NVFP4_W4A16,
             note="NVFP4 W4A4 checkpoint run as W4A16: activations are not quantized (no FP4 "

@@ -40,7 +40,7 @@ def test_declaration_per_capability():
     assert by_format[F.BF16].hardware.cuda_capabilities[0].min == (8, 0)
     assert by_format[F.NVFP4_W4A4].runs_as == F.NVFP4_W4A16
     assert F.FP8 in by_format[F.FP8_W8A8].payloads
-    assert all(s.layouts == {F.TOKEN_MAJOR} for s in TRITON_EXPERTS.supports)
+    assert all(s.layouts == {F.TOKEN_MAJOR, F.MASKED} for s in TRITON_EXPERTS.supports)
 
 
 def test_planner_picks_triton_on_hopper_and_reports_w4a4_degradation():
