@@ -208,32 +208,38 @@ def _e4m3_to_f32(b):
     return tl.where(sign == 1, -v, v)
 
 
+# Bit layout of each 32-bit group of 8 codes (columns c0..c7, a code = sign s and magnitude eem),
+# written once by ``ops.pack_nvfp4_for_kernels`` so that the decode below needs 11 integer
+# operations per 8 codes: for each float16 pair, eem must land on bits 11..9 and s on bit 15 of
+# its half (a float16 with those bits is the E2M1 value times 2**-14, exact; eem = 0xx lands on
+# subnormals). Per half-word (the high half holds the odd column of each pair, bits + 16):
+#   pair (c0, c1): eem at 9..11,  s at 15  -> w & 0x8E008E00
+#   pair (c4, c5): eem at 6..8,   s at 12  -> (w << 3) & 0x8E008E00
+#   pair (c2, c3): eem at 0..2,   s at 13  -> ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000)
+#   pair (c6, c7): eem at 3..5,   s at 14  -> ((w << 6) & 0x0E000E00) | ((w << 1) & 0x80008000)
+NVFP4_GROUP_FIELDS = (  # column within the group -> (eem low bit, sign bit) in the 32-bit word
+    (9, 15), (25, 31), (0, 13), (16, 29), (6, 12), (22, 28), (3, 14), (19, 30),
+)
+
+
 @triton.jit
 def _e2m1_pairs_asm(packed):
-    """E2M1 bytes (two codes each, low nibble first) -> float16 values of the low and of the high
-    nibbles times ``2**-14``, by bit placement (sign to bit 15, exponent and mantissa to bits 11..9;
-    exponent 0 lands on float16 subnormals, which is exact). Four bytes per instance: one byte
-    permute and four shift/mask/or per pair of codes."""
+    """Packed groups (bytes, four per instance = one 32-bit group of 8 codes) -> two float16
+    tensors of the packed tensor's shape: element ``i`` of ``lo`` / ``hi`` is column ``c(i)`` of
+    the group with ``lo = (c0, c1, c4, c5)`` and ``hi = (c2, c3, c6, c7)``, times ``2**-14``."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 t<6>;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        shl.b32 t2, t0, 9;
-        shl.b32 t3, t0, 12;
-        and.b32 t3, t3, 0x80008000;
-        lop3.b32 $0, t2, 0x0E000E00, t3, 0xEA;
-        shl.b32 t2, t1, 9;
-        shl.b32 t3, t1, 12;
-        and.b32 t3, t3, 0x80008000;
-        lop3.b32 $1, t2, 0x0E000E00, t3, 0xEA;
-        shl.b32 t2, t0, 5;
-        shl.b32 t3, t0, 8;
-        and.b32 t3, t3, 0x80008000;
-        lop3.b32 $2, t2, 0x0E000E00, t3, 0xEA;
-        shl.b32 t2, t1, 5;
-        shl.b32 t3, t1, 8;
+        .reg .b32 t<4>;
+        and.b32 $0, $4, 0x8E008E00;
+        shl.b32 t0, $4, 3;
+        and.b32 $1, t0, 0x8E008E00;
+        shl.b32 t0, $4, 9;
+        shl.b32 t1, $4, 2;
+        and.b32 t1, t1, 0x80008000;
+        lop3.b32 $2, t0, 0x0E000E00, t1, 0xEA;
+        shl.b32 t2, $4, 6;
+        shl.b32 t3, $4, 1;
         and.b32 t3, t3, 0x80008000;
         lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
         }
@@ -247,12 +253,31 @@ def _e2m1_pairs_asm(packed):
 
 
 @triton.jit
-def _e2m1_pairs(packed):
-    """Portable form of :func:`_e2m1_pairs_asm` (the interpreter runs no inline assembly)."""
-    b = packed.to(tl.int32)
-    lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo, hi
+def _int16_halves(r):
+    return r.to(tl.int16), (r >> 16).to(tl.int16)
+
+
+@triton.jit
+def _e2m1_pairs(packed, BLOCK_N: tl.constexpr, BYTES: tl.constexpr):
+    """Portable form of :func:`_e2m1_pairs_asm` (the interpreter runs no inline assembly):
+    ``packed [BLOCK_N, BYTES]`` bytes, regrouped into 32-bit words explicitly."""
+    b = tl.reshape(packed.to(tl.int32) & 0xFF, (BLOCK_N, BYTES // 4, 4))
+    sh = tl.arange(0, 4) * 8
+    w = tl.sum(b << sh[None, None, :], axis=2)  # the group's 32-bit word (bytes little-endian)
+    r0 = w & -1912566272  # 0x8E008E00
+    r1 = (w << 3) & -1912566272
+    r2 = ((w << 9) & 0x0E000E00) | ((w << 2) & -2147450880)  # 0x80008000
+    r3 = ((w << 6) & 0x0E000E00) | ((w << 1) & -2147450880)
+    r0l, r0h = _int16_halves(r0)
+    r1l, r1h = _int16_halves(r1)
+    r2l, r2h = _int16_halves(r2)
+    r3l, r3h = _int16_halves(r3)
+    # join appends the new axis last: [.., half, register] -> register-major order
+    lo = tl.permute(tl.join(tl.join(r0l, r0h), tl.join(r1l, r1h)), (0, 1, 3, 2))
+    hi = tl.permute(tl.join(tl.join(r2l, r2h), tl.join(r3l, r3h)), (0, 1, 3, 2))
+    lo = tl.reshape(lo, (BLOCK_N, BYTES))
+    hi = tl.reshape(hi, (BLOCK_N, BYTES))
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -262,7 +287,7 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K:
     ``srow_off`` of the scales), columns ``[k0, k0 + BLOCK_K)`` of NVFP4 matrices as float16
     ``[BLOCK_N, BLOCK_K]``: ``E2M1 * block_scale * 2**-7`` (exact in float16 but for near-zero
     blocks); callers multiply their accumulator by ``2**7 * scale_2``. ``w_ptr`` points at the
-    packed bytes (``[rows, K / 2]``, in the order of :func:`ops.pair_nvfp4_codes`), ``ws_ptr`` at
+    packed bytes (``[rows, K / 2]``, laid out by :func:`ops.pack_nvfp4_for_kernels`), ``ws_ptr`` at
     the e4m3 block scales (``[rows, K / 16]``)."""
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     ptrs = w_ptr + row_off[:, None] + offs_kb[None, :]
@@ -273,9 +298,9 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K:
     if USE_ASM:
         lo, hi = _e2m1_pairs_asm(wb)
     else:
-        lo, hi = _e2m1_pairs(wb)
-    # bytes (2i, 2i + 1) hold columns 4i, 4i + 1 (low nibbles) and 4i + 2, 4i + 3 (high nibbles):
-    # the decoded pairs then lie in registers in the order the MMA operand wants them
+        lo, hi = _e2m1_pairs(wb, BLOCK_N, BLOCK_K // 2)
+    # per 4-byte group: lo = columns (0, 1, 4, 5), hi = (2, 3, 6, 7); interleaving pairs of each
+    # puts the columns in order, with adjacent columns in one register as the MMA operand wants
     lo2 = tl.reshape(lo, (BLOCK_N, BLOCK_K // 4, 2))
     hi2 = tl.reshape(hi, (BLOCK_N, BLOCK_K // 4, 2))
     vals = tl.permute(tl.join(lo2, hi2), (0, 1, 3, 2))

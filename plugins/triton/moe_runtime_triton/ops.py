@@ -50,7 +50,7 @@ class PreparedWeights:
     run_as: str
     wfmt: int
     activation: str
-    w13: torch.Tensor  # nvfp4: uint8 codes in the order of pair_nvfp4_codes
+    w13: torch.Tensor  # nvfp4: uint8 codes laid out by pack_nvfp4_for_kernels
     w2: torch.Tensor
     w13_scale: torch.Tensor | None  # fp8: float32 [E, 2I]; nvfp4: uint8 (e4m3 bytes) [E, 2I, H/16]
     w2_scale: torch.Tensor | None
@@ -117,7 +117,7 @@ def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeig
         w2s2 = f32(w.w2_scale_2).reshape(-1).expand(E).contiguous()
     w13, w2 = w.w13.contiguous(), w.w2.contiguous()
     if wfmt == K.WFMT_NVFP4:
-        w13, w2 = pair_nvfp4_codes(w13), pair_nvfp4_codes(w2)
+        w13, w2 = pack_nvfp4_for_kernels(w13), pack_nvfp4_for_kernels(w2)
     return PreparedWeights(
         run_as=run_as, wfmt=wfmt, activation=w.activation,
         w13=w13, w2=w2,
@@ -126,20 +126,22 @@ def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeig
     )
 
 
-def pair_nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
-    """Reorder packed E2M1 codes for the kernels: checkpoint byte ``j`` holds columns ``2j``
-    (low nibble) and ``2j + 1``; in the result bytes ``2i`` and ``2i + 1`` hold columns ``4i`` and
-    ``4i + 1`` in their low nibbles and ``4i + 2``, ``4i + 3`` in their high nibbles. Decoding a
-    byte's low and high nibbles then yields pairs of adjacent columns, which is how the matrix
-    units take their operands. Same size; block scales (16 columns) are unaffected."""
-    if packed.shape[-1] % 2:
-        raise ValueError(f"packed NVFP4 rows must hold a multiple of 4 columns, got {packed.shape}")
-    b = packed.reshape(*packed.shape[:-1], -1, 2)
-    lo, hi = b & 0x0F, b >> 4
-    c0, c1 = lo[..., 0], hi[..., 0]  # columns 4i, 4i + 1
-    c2, c3 = lo[..., 1], hi[..., 1]  # columns 4i + 2, 4i + 3
-    out = torch.stack([c0 | (c2 << 4), c1 | (c3 << 4)], dim=-1)
-    return out.reshape(packed.shape).contiguous()
+def pack_nvfp4_for_kernels(packed: torch.Tensor) -> torch.Tensor:
+    """Rewrite checkpoint-packed E2M1 codes (byte ``j`` holds columns ``2j`` (low nibble) and
+    ``2j + 1``) into the kernels' layout: each group of 8 columns becomes one 32-bit word
+    (little-endian bytes, same size) whose bit fields (``kernels.NVFP4_GROUP_FIELDS``) let the
+    in-loop decode build float16 pairs of adjacent columns with 11 integer operations per 8
+    codes. Block scales (16 columns) are unaffected."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"packed NVFP4 rows must hold a multiple of 8 columns, got {tuple(packed.shape)}")
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*packed.shape[:-1], -1, 8)
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
+    for col, (eem_bit, sign_bit) in enumerate(K.NVFP4_GROUP_FIELDS):
+        c = codes[..., col]
+        word |= ((c & 7) << eem_bit) | ((c >> 3) << sign_bit)
+    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(packed.shape).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,16 +87,29 @@ def test_heuristic_uses_decode_path_for_few_pairs_only():
     assert not large.get("decode") and "BLOCK_M" in large
 
 
-def test_pair_nvfp4_codes_is_a_column_permutation_within_groups_of_four():
-    codes = torch.arange(16, dtype=torch.uint8).repeat(3, 2)  # [3, 32] codes, one per column
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    paired = ops.pair_nvfp4_codes(packed)
-    lo, hi = paired & 15, paired >> 4
-    # bytes 2i, 2i+1: low nibbles columns 4i, 4i+1; high nibbles 4i+2, 4i+3
-    got = torch.stack([lo[:, 0::2], lo[:, 1::2], hi[:, 0::2], hi[:, 1::2]], -1).reshape(3, 32)
-    assert torch.equal(got, codes)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        ops.pair_nvfp4_codes(torch.zeros(2, 3, dtype=torch.uint8))
+def test_kernel_layout_of_nvfp4_codes_decodes_by_the_kernels_bit_operations():
+    """Every code in every column of a group, packed by ``pack_nvfp4_for_kernels`` and decoded by
+    the kernels' integer operations (written out here in torch), gives the E2M1 value times
+    2**-14 as a float16, lo = columns (0, 1, 4, 5) and hi = (2, 3, 6, 7) of each group."""
+    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    codes = torch.stack([torch.roll(torch.arange(16), s) for s in range(8)], dim=1)  # [16, 8]
+    codes = codes.repeat(1, 2).to(torch.uint8)  # two groups per row
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # checkpoint order
+    kb = ops.pack_nvfp4_for_kernels(packed).to(torch.int64)
+    w = (kb.reshape(16, 2, 4) << torch.tensor([0, 8, 16, 24])).sum(-1)  # [16 rows, 2 groups]
+    m32 = 0xFFFFFFFF
+    regs = [w & 0x8E008E00, (w << 3) & 0x8E008E00,
+            ((w << 9) & 0x0E000E00) | ((w << 2) & 0x80008000),
+            ((w << 6) & 0x0E000E00) | ((w << 1) & 0x80008000)]
+    halves = [torch.stack([(r & m32) & 0xFFFF, ((r & m32) >> 16) & 0xFFFF], -1) for r in regs]
+    cols = {(0, 0): 0, (0, 1): 1, (1, 0): 4, (1, 1): 5, (2, 0): 2, (2, 1): 3, (3, 0): 6, (3, 1): 7}
+    for (reg, half), col in cols.items():
+        bits = halves[reg][..., half].to(torch.int16)
+        got = bits.view(torch.float16).float() * 2.0 ** 14
+        want = e2m1[codes.long().reshape(16, 2, 8)[..., col]]
+        assert torch.equal(got, want), (reg, half, col)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.pack_nvfp4_for_kernels(torch.zeros(2, 6, dtype=torch.uint8))
 
 
 def test_decode_path_takes_prequantized_fp8_activations():
