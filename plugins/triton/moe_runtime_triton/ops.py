@@ -35,6 +35,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 TINY_ROUTE_MAX_PAIRS = 64
 DECODE_MAX_PAIRS = 16  # the heuristic's bound for the two-kernel decode path
+PACK_SLICE_BYTES = 64 << 20  # NVFP4 weight rewrite at load, per slice
 SMALL_ROUTE_MAX_PAIRS = 4096
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 EXACT_FP8 = INTERPRET
@@ -134,14 +135,21 @@ def pack_nvfp4_for_kernels(packed: torch.Tensor) -> torch.Tensor:
     codes. Block scales (16 columns) are unaffected."""
     if packed.shape[-1] % 4:
         raise ValueError(f"packed NVFP4 rows must hold a multiple of 8 columns, got {tuple(packed.shape)}")
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*packed.shape[:-1], -1, 8)
-    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
-    for col, (eem_bit, sign_bit) in enumerate(K.NVFP4_GROUP_FIELDS):
-        c = codes[..., col]
-        word |= ((c & 7) << eem_bit) | ((c >> 3) << sign_bit)
-    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
-    return out.to(torch.uint8).reshape(packed.shape).contiguous()
+    out = torch.empty_like(packed, dtype=torch.uint8)
+    flat_in = packed.reshape(-1, packed.shape[-1])
+    flat_out = out.view(-1, packed.shape[-1])
+    # in slices of rows: the int32 temporaries are 4x the bytes (a DeepSeek-V3 layer is 3.8 GB)
+    step = max(1, PACK_SLICE_BYTES // max(1, packed.shape[-1]))
+    for r0 in range(0, flat_in.shape[0], step):
+        p = flat_in[r0:r0 + step].to(torch.int32)
+        codes = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(p.shape[0], -1, 8)
+        word = torch.zeros(codes.shape[:-1], dtype=torch.int32, device=packed.device)
+        for col, (eem_bit, sign_bit) in enumerate(K.NVFP4_GROUP_FIELDS):
+            c = codes[..., col]
+            word |= ((c & 7) << eem_bit) | ((c >> 3) << sign_bit)
+        flat_out[r0:r0 + step] = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)],
+                                             dim=-1).reshape(p.shape).to(torch.uint8)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -128,3 +128,12 @@ def test_decode_path_takes_prequantized_fp8_activations():
     assert out.dtype == torch.bfloat16
     ref = R.reference_fused_experts(codes.float() * scale, ids, wts, w)
     assert _rel(out, ref) < TOL["fp8_w8a8"], _rel(out, ref)
+
+
+def test_nvfp4_rewrite_in_slices_equals_one_piece(monkeypatch):
+    """Large layers are rewritten in row slices (bounded temporaries); the result is the same."""
+    x = torch.randint(0, 256, (3, 10, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    whole = ops.pack_nvfp4_for_kernels(x)
+    monkeypatch.setattr(ops, "PACK_SLICE_BYTES", 7 * 32)  # 7 rows per slice: 30 rows, ragged end
+    assert torch.equal(ops.pack_nvfp4_for_kernels(x), whole)
+    assert not torch.equal(whole, x)  # it is a rewrite, not a copy
