@@ -36,6 +36,10 @@ class TritonExperts(ExpertsBackend):
         return ops.get_config(pw.run_as, pw.num_experts, pw.hidden_size, pw.intermediate_size,
                               top_k, n_tokens)
 
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - one backend per layer, bounded by batch shapes
+    def _masked_config(self, max_tokens: int) -> dict:
+        return ops.masked_config(self.weights, max_tokens)
+
     def forward(self, d: Dispatched) -> torch.Tensor:
         if d.layout not in (F.TOKEN_MAJOR, F.MASKED):
             raise ValueError(f"the triton backend consumes token_major or masked, got {d.layout!r}")
@@ -48,7 +52,8 @@ class TritonExperts(ExpertsBackend):
             if d.masked_m is None:
                 raise ValueError("a masked dispatch must carry masked_m (valid rows per expert)")
             return ops.fused_moe_masked(d.hidden, d.masked_m, self.weights,
-                                        hidden_scale=hidden_scale, out_dtype=d.out_dtype)
+                                        hidden_scale=hidden_scale, out_dtype=d.out_dtype,
+                                        config=self._masked_config(int(d.hidden.shape[1])))
         ids = d.topk_ids
         top_k = ids.shape[1] if ids.dim() == 2 else 1
         cfg = self._config(int(d.hidden.shape[0]), top_k)

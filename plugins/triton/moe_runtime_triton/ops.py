@@ -309,6 +309,32 @@ def _launch_opts(cfg: dict) -> dict:
     return opts
 
 
+def _activations(hidden, hidden_scale, pw: PreparedWeights, out_dtype):
+    """Check the activations against the weights' format: ``(hidden in the compute dtype where it
+    is 16-bit, the MMA's compute dtype, the output dtype)``."""
+    prequant_in = hidden.dtype == torch.float8_e4m3fn
+    if prequant_in and (pw.wfmt != K.WFMT_FP8 or hidden_scale is None):
+        raise ValueError("fp8 activations are accepted only for fp8_w8a8 with their hidden_scale")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if prequant_in else hidden.dtype
+    if pw.wfmt == K.WFMT_16BIT:
+        compute = pw.w13.dtype
+        if hidden.dtype != compute:
+            hidden = hidden.to(compute)
+    elif pw.wfmt == K.WFMT_NVFP4:
+        # dequantized weights are exact in float16 (see kernels._dequant_nvfp4_tile)
+        compute = torch.float16
+    else:
+        compute = torch.float8_e4m3fn
+    return hidden, compute, out_dtype
+
+
+def masked_config(pw: PreparedWeights, max_tokens: int) -> dict:
+    """The sorted-path config of a masked batch of ``max_tokens`` rows per expert."""
+    return heuristic_config(pw.wfmt, pw.num_experts, pw.hidden_size, pw.intermediate_size, 1,
+                            pw.num_experts * max_tokens, allow_decode=False)
+
+
 def fused_moe_prepared(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -336,20 +362,7 @@ def fused_moe_prepared(
     if H != pw.hidden_size:
         raise ValueError(f"hidden size {H} does not match the weights' {pw.hidden_size}")
     topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
-    prequant_in = hidden.dtype == torch.float8_e4m3fn
-    if prequant_in and (pw.wfmt != K.WFMT_FP8 or hidden_scale is None):
-        raise ValueError("fp8 activations are accepted only for fp8_w8a8 with their hidden_scale")
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if prequant_in else hidden.dtype
-    if pw.wfmt == K.WFMT_16BIT:
-        compute = pw.w13.dtype
-        if hidden.dtype != compute:
-            hidden = hidden.to(compute)
-    elif pw.wfmt == K.WFMT_NVFP4:
-        # dequantized weights are exact in float16 (see kernels._load_b_tile)
-        compute = torch.float16
-    else:
-        compute = torch.float8_e4m3fn
+    hidden, compute, out_dtype = _activations(hidden, hidden_scale, pw, out_dtype)
     out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
     if N == 0:
         return out
@@ -404,23 +417,14 @@ def fused_moe_masked(
                          f"{pw.num_experts} experts of hidden size {pw.hidden_size}")
     if masked_m.numel() != E:
         raise ValueError(f"masked_m must hold one count per expert ({E}), got {masked_m.numel()}")
-    prequant_in = hidden.dtype == torch.float8_e4m3fn
-    if prequant_in and (pw.wfmt != K.WFMT_FP8 or hidden_scale is None):
-        raise ValueError("fp8 activations are accepted only for fp8_w8a8 with their hidden_scale")
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if prequant_in else hidden.dtype
+    hidden, compute, out_dtype = _activations(hidden, hidden_scale, pw, out_dtype)
     out = torch.empty((E, M, H), dtype=out_dtype, device=hidden.device)
     if E * M == 0:
         return out
-    compute = {K.WFMT_16BIT: pw.w13.dtype, K.WFMT_NVFP4: torch.float16}.get(pw.wfmt,
-                                                                          torch.float8_e4m3fn)
-    if pw.wfmt == K.WFMT_16BIT and hidden.dtype != compute:
-        hidden = hidden.to(compute)
     x = hidden.reshape(E * M, H)
     if not x.is_contiguous():
         x = x.contiguous()
-    cfg = config or heuristic_config(pw.wfmt, E, H, pw.intermediate_size, 1, E * M,
-                                     allow_decode=False)
+    cfg = config or masked_config(pw, M)
     if cfg.get("decode"):
         raise ValueError("the masked layout runs the sorted path; pass a config with BLOCK_M, g1, g2")
     bm = cfg["BLOCK_M"]
