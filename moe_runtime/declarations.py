@@ -7,12 +7,17 @@ these records; nothing else in the project says what a backend supports.
 
 from __future__ import annotations
 
+import enum
 import re
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import attrs
 
 from moe_runtime import formats as F
+
+if TYPE_CHECKING:  # records only: no import cycle at run time
+    from moe_runtime.environment import Environment
+    from moe_runtime.runtime import LayerProblem
 
 
 def _fs(items: Iterable[str] | str) -> frozenset[str]:
@@ -40,6 +45,81 @@ def parse_capability(text: str | tuple[int, int]) -> tuple[int, int]:
 
 def format_capability(cap: tuple[int, int]) -> str:
     return f"{cap[0]}.{cap[1]}"
+
+
+class Reason(enum.Enum):
+    """Why a declaration does not accept a problem: a closed set, one value per cause."""
+
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    DEGRADATION_DISABLED = "degradation_disabled"
+    UNSUPPORTED_ACTIVATION = "unsupported_activation"
+    UNSUPPORTED_LAYOUT = "unsupported_layout"
+    UNSUPPORTED_PAYLOAD = "unsupported_payload"
+    UNSUPPORTED_SHAPE = "unsupported_shape"
+    UNSUPPORTED_DEVICE = "unsupported_device"
+    COMPUTE_CAPABILITY = "compute_capability"
+    MISSING_DEPENDENCY = "missing_dependency"
+    WORLD_SIZE = "world_size"
+    TOKEN_BOUND = "token_bound"
+    NO_COMMON_LAYOUT = "no_common_layout"
+    NOT_REQUESTED = "not_requested"
+
+
+@attrs.frozen
+class Verdict:
+    """The answer of a declaration's ``check``: accepted, or a :class:`Reason` with a sentence.
+
+    ``message`` says what the problem has and what the declaration would accept instead. A verdict
+    is truthy when accepted: ``if not support.check(problem, env): ...``.
+    """
+
+    reason: Reason | None = None
+    message: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+    def __bool__(self) -> bool:
+        return self.reason is None
+
+    def describe(self) -> str:
+        return "accepted" if self.reason is None else f"{self.reason.value}: {self.message}"
+
+
+ACCEPTED = Verdict()
+
+# The order in which an experts block is checked: for a backend with several blocks the verdict
+# reported is the one of the block that got furthest down this list.
+CHECK_ORDER = (
+    Reason.UNSUPPORTED_FORMAT,
+    Reason.UNSUPPORTED_ACTIVATION,
+    Reason.UNSUPPORTED_LAYOUT,
+    Reason.UNSUPPORTED_PAYLOAD,
+    Reason.UNSUPPORTED_SHAPE,
+    Reason.UNSUPPORTED_DEVICE,
+    Reason.COMPUTE_CAPABILITY,
+    Reason.MISSING_DEPENDENCY,
+    Reason.DEGRADATION_DISABLED,
+    Reason.WORLD_SIZE,
+    Reason.TOKEN_BOUND,
+)
+
+
+def furthest(verdicts: Iterable[Verdict]) -> Verdict:
+    """The refusal that got furthest down :data:`CHECK_ORDER` (an accepted verdict wins outright)."""
+    verdicts = list(verdicts)
+    for v in verdicts:
+        if v:
+            return v
+    if not verdicts:
+        return Verdict(Reason.UNSUPPORTED_FORMAT, "declares nothing")
+    return max(verdicts, key=lambda v: CHECK_ORDER.index(v.reason) if v.reason in CHECK_ORDER
+               else -1)
+
+
+def _listed(items: Iterable[str]) -> str:
+    return ", ".join(sorted(items)) or "none"
 
 
 @attrs.frozen
@@ -87,6 +167,27 @@ class Hardware:
             return "any"
         return ", ".join(r.describe() for r in self.cuda_capabilities)
 
+    def check(self, environment: Environment) -> Verdict:
+        """Device kind, then compute capability, then importable modules (when they were probed)."""
+        env = environment
+        if env.device not in self.devices:
+            return Verdict(Reason.UNSUPPORTED_DEVICE,
+                           f"runs on {_listed(self.devices)}, not on {env.described}")
+        if env.device == "cuda" and self.cuda_capabilities:
+            cap = env.capability
+            if cap is None or not any(r.contains(cap) for r in self.cuda_capabilities):
+                have = format_capability(cap) if cap else "unknown"
+                return Verdict(Reason.COMPUTE_CAPABILITY, (
+                    f"needs CUDA compute capability {self.describe_capabilities()}; "
+                    f"{env.described} has {have}"))
+        if env.available is not None:
+            missing = [m for m in self.requires if m not in env.available]
+            if missing:
+                return Verdict(Reason.MISSING_DEPENDENCY, (
+                    f"needs the module(s) {', '.join(missing)} importable; install the "
+                    "distribution that provides them"))
+        return ACCEPTED
+
 
 @attrs.frozen
 class Support:
@@ -113,6 +214,61 @@ class Support:
     runs_as: str | None = None
     shape_multiple: int = 1
     note: str = ""
+
+    def check(
+        self,
+        problem: LayerProblem,
+        environment: Environment | None = None,
+        *,
+        runs_as: str | None = None,
+        layout: str | None = None,
+        payload: str | None = None,
+        allow_degradation: bool = True,
+    ) -> Verdict:
+        """Does this block run ``problem`` on ``environment``? The one matching rule.
+
+        The planner, the conformance suite and backends' own guards all call this. Checked in
+        :data:`CHECK_ORDER`: format, activation, then (when given) the layout and payload a setup
+        would deliver and the format it asks to run as, shape, hardware, degradation.
+        ``environment=None`` leaves the hardware out (a backend guarding its own construction
+        checks the device itself).
+        """
+        p = problem
+        if p.format not in self.formats:
+            return Verdict(Reason.UNSUPPORTED_FORMAT,
+                           f"does not run format {p.format}; it declares {_listed(self.formats)}")
+        if p.activation not in self.activations:
+            return Verdict(Reason.UNSUPPORTED_ACTIVATION, (
+                f"does not run activation {p.activation}; it declares "
+                f"{_listed(self.activations)}"))
+        if layout is not None and layout not in self.layouts:
+            return Verdict(Reason.UNSUPPORTED_LAYOUT,
+                           f"does not consume layout {layout}; it declares {_listed(self.layouts)}")
+        if payload is not None and payload not in self.payloads:
+            return Verdict(Reason.UNSUPPORTED_PAYLOAD, (
+                f"does not accept payload {payload}; it declares {_listed(self.payloads)}"))
+        own = self.runs_as or p.format
+        if runs_as is not None and runs_as != own:
+            return Verdict(Reason.UNSUPPORTED_FORMAT, (
+                f"runs format {p.format} as {own}, not as {runs_as}"))
+        m = self.shape_multiple
+        if m > 1 and (p.hidden_size % m or p.intermediate_size % m):
+            return Verdict(Reason.UNSUPPORTED_SHAPE, (
+                f"needs hidden and intermediate sizes that are multiples of {m}; the layer has "
+                f"hidden {p.hidden_size}, intermediate {p.intermediate_size}"))
+        if environment is not None:
+            hw = self.hardware.check(environment)
+            if not hw:
+                return hw
+        if own != p.format and not allow_degradation:
+            return Verdict(Reason.DEGRADATION_DISABLED, (
+                f"runs format {p.format} only as {own} (a declared degradation), and degradation "
+                "is switched off (--no-degradation)"))
+        return ACCEPTED
+
+    def runs(self, fmt: str) -> str:
+        """The format this block computes layers of format ``fmt`` in."""
+        return self.runs_as or fmt
 
 
 def _check_backend(spec, supports, what: str) -> None:
@@ -152,6 +308,27 @@ class ExpertsBackendSpec:
     def requires(self) -> frozenset[str]:
         return _requires(self.supports)
 
+    def check(self, problem: LayerProblem, environment: Environment | None = None,
+              **kwargs) -> Verdict:
+        """Accepted if any block accepts (see :meth:`Support.check`), else the furthest refusal.
+
+        When every block refuses the format, the message lists every format the backend declares.
+        """
+        verdicts = [s.check(problem, environment, **kwargs) for s in self.supports]
+        best = furthest(verdicts)
+        if not best and all(v.reason is Reason.UNSUPPORTED_FORMAT and problem.format
+                            not in s.formats for v, s in zip(verdicts, self.supports)):
+            declared = {f for s in self.supports for f in s.formats}
+            return Verdict(Reason.UNSUPPORTED_FORMAT,
+                           f"does not run format {problem.format}; it declares {_listed(declared)}")
+        return best
+
+    def accepting(self, problem: LayerProblem, environment: Environment | None = None,
+                  **kwargs) -> list[Support]:
+        """The blocks that accept ``problem``, native ones (no ``runs_as``) first."""
+        ok = [s for s in self.supports if s.check(problem, environment, **kwargs)]
+        return sorted(ok, key=lambda s: s.runs(problem.format) != problem.format)
+
 
 @attrs.frozen
 class CommSupport:
@@ -187,6 +364,40 @@ class CommSupport:
             return ", ".join(str(n) for n in sorted(self.world_sizes))
         return f"{self.min_world_size}-{self.max_world_size or 'any'}"
 
+    def admits_tokens(self, tokens_per_rank: int) -> bool:
+        return self.max_tokens_per_rank is None or tokens_per_rank <= self.max_tokens_per_rank
+
+    def check(
+        self,
+        environment: Environment | None = None,
+        *,
+        world_size: int = 1,
+        tokens_per_rank: int | None = None,
+        layout: str | None = None,
+        payload: str | None = None,
+    ) -> Verdict:
+        """Does this mode run a group of ``world_size`` ranks here, batches of
+        ``tokens_per_rank`` tokens (when given), with this layout and payload (when given)?"""
+        if layout is not None and layout != self.layout:
+            return Verdict(Reason.UNSUPPORTED_LAYOUT,
+                           f"mode {self.mode} produces layout {self.layout}, not {layout}")
+        if payload is not None and payload not in self.payloads:
+            return Verdict(Reason.UNSUPPORTED_PAYLOAD, (
+                f"mode {self.mode} carries {_listed(self.payloads)}, not {payload}"))
+        if environment is not None:
+            hw = self.hardware.check(environment)
+            if not hw:
+                return hw
+        if not self.allows_world_size(world_size):
+            return Verdict(Reason.WORLD_SIZE, (
+                f"mode {self.mode} runs with {self.describe_world_sizes()} expert-parallel ranks; "
+                f"the deployment has {world_size}"))
+        if tokens_per_rank is not None and not self.admits_tokens(tokens_per_rank):
+            return Verdict(Reason.TOKEN_BOUND, (
+                f"mode {self.mode} carries at most {self.max_tokens_per_rank} tokens per rank; "
+                f"the batch has {tokens_per_rank}"))
+        return ACCEPTED
+
 
 @attrs.frozen
 class CommBackendSpec:
@@ -211,6 +422,14 @@ class CommBackendSpec:
 
     def requires(self) -> frozenset[str]:
         return _requires(self.supports)
+
+    def check(self, environment: Environment | None = None, **kwargs) -> Verdict:
+        """Accepted if any mode accepts (see :meth:`CommSupport.check`), else the furthest refusal."""
+        return furthest(s.check(environment, **kwargs) for s in self.supports)
+
+    def accepting(self, environment: Environment | None = None, **kwargs) -> list[CommSupport]:
+        """The modes that accept, in declared order of preference."""
+        return [s for s in self.supports if s.check(environment, **kwargs)]
 
 
 def load_factory(factory: str):

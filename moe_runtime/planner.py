@@ -8,7 +8,6 @@ against the names a user asked for.
 
 from __future__ import annotations
 
-import enum
 from typing import Iterable, Sequence
 
 import attrs
@@ -18,40 +17,12 @@ from moe_runtime.declarations import (
     CommBackendSpec,
     CommSupport,
     ExpertsBackendSpec,
+    Reason,
     Support,
-    format_capability,
 )
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
 from moe_runtime.runtime import LayerProblem
-
-
-class Reason(enum.Enum):
-    """Why a backend was not chosen for a layer: a closed set."""
-
-    UNSUPPORTED_FORMAT = "unsupported_format"
-    UNSUPPORTED_ACTIVATION = "unsupported_activation"
-    UNSUPPORTED_SHAPE = "unsupported_shape"
-    UNSUPPORTED_DEVICE = "unsupported_device"
-    COMPUTE_CAPABILITY = "compute_capability"
-    MISSING_DEPENDENCY = "missing_dependency"
-    WORLD_SIZE = "world_size"
-    TOKEN_BOUND = "token_bound"
-    NO_COMMON_LAYOUT = "no_common_layout"
-    UNSUPPORTED_PAYLOAD = "unsupported_payload"
-    NOT_REQUESTED = "not_requested"
-
-
-# Order in which an experts declaration is checked; the rejection reported for a backend with
-# several Support blocks is the one of the block that got furthest.
-_EXPERTS_ORDER = (
-    Reason.UNSUPPORTED_FORMAT,
-    Reason.UNSUPPORTED_ACTIVATION,
-    Reason.UNSUPPORTED_SHAPE,
-    Reason.UNSUPPORTED_DEVICE,
-    Reason.COMPUTE_CAPABILITY,
-    Reason.MISSING_DEPENDENCY,
-)
 
 
 @attrs.frozen
@@ -189,48 +160,7 @@ class PlanError(ValueError):
 
 
 # --------------------------------------------------------------------------- declaration checks
-
-
-def _check_hardware(hw, env: Environment) -> tuple[Reason, str] | None:
-    if env.device not in hw.devices:
-        return Reason.UNSUPPORTED_DEVICE, (
-            f"runs on {', '.join(sorted(hw.devices))}, not on {env.described}"
-        )
-    if env.device == "cuda" and hw.cuda_capabilities:
-        cap = env.capability
-        if cap is None or not any(r.contains(cap) for r in hw.cuda_capabilities):
-            have = format_capability(cap) if cap else "unknown"
-            return Reason.COMPUTE_CAPABILITY, (
-                f"needs CUDA compute capability {hw.describe_capabilities()}; "
-                f"{env.described} has {have}"
-            )
-    if env.available is not None:
-        missing = [m for m in hw.requires if m not in env.available]
-        if missing:
-            return Reason.MISSING_DEPENDENCY, (
-                f"needs the module(s) {', '.join(missing)} importable; install the distribution "
-                "that provides them"
-            )
-    return None
-
-
-def _check_support(s: Support, p: LayerProblem, env: Environment) -> tuple[Reason, str] | None:
-    if p.format not in s.formats:
-        return Reason.UNSUPPORTED_FORMAT, (
-            f"does not run format {p.format}; it declares {', '.join(sorted(s.formats))}"
-        )
-    if p.activation not in s.activations:
-        return Reason.UNSUPPORTED_ACTIVATION, (
-            f"does not run activation {p.activation}; it declares "
-            f"{', '.join(sorted(s.activations))}"
-        )
-    m = s.shape_multiple
-    if m > 1 and (p.hidden_size % m or p.intermediate_size % m):
-        return Reason.UNSUPPORTED_SHAPE, (
-            f"needs hidden and intermediate sizes that are multiples of {m}; the layer has "
-            f"hidden {p.hidden_size}, intermediate {p.intermediate_size}"
-        )
-    return _check_hardware(s.hardware, env)
+# The matching rule itself is public and lives with the records: Support.check, CommSupport.check.
 
 
 @attrs.frozen
@@ -244,30 +174,11 @@ def evaluate_experts(
     spec: ExpertsBackendSpec, p: LayerProblem, env: Environment, *, allow_degradation: bool = True
 ) -> tuple[list[_ExpertsOption], tuple[Reason, str] | None]:
     """The Support blocks of ``spec`` that accept layer ``p`` here (native ones first), or why none."""
-    native, degraded, failures = [], [], []
-    for s in spec.supports:
-        failure = _check_support(s, p, env)
-        if failure is not None:
-            failures.append(failure)
-            continue
-        if s.runs_as and s.runs_as != p.format:
-            if allow_degradation:
-                degraded.append(_ExpertsOption(spec, s, s.runs_as))
-            else:
-                failures.append((Reason.UNSUPPORTED_FORMAT, (
-                    f"runs format {p.format} only as {s.runs_as}, and degradation is switched off"
-                )))
-        else:
-            native.append(_ExpertsOption(spec, s, p.format))
-    if native or degraded:
-        return native + degraded, None
-    worst = max(failures, key=lambda f: _EXPERTS_ORDER.index(f[0])
-                if f[0] in _EXPERTS_ORDER else -1)
-    if worst[0] is Reason.UNSUPPORTED_FORMAT and all(
-            f[0] is Reason.UNSUPPORTED_FORMAT for f in failures):
-        declared = sorted({f for s in spec.supports for f in s.formats})
-        worst = (worst[0], f"does not run format {p.format}; it declares {', '.join(declared)}")
-    return [], worst
+    blocks = spec.accepting(p, env, allow_degradation=allow_degradation)
+    if blocks:
+        return [_ExpertsOption(spec, s, s.runs(p.format)) for s in blocks], None
+    v = spec.check(p, env, allow_degradation=allow_degradation)
+    return [], (v.reason, v.message)
 
 
 def evaluate_comm(
@@ -278,23 +189,11 @@ def evaluate_comm(
     Token bounds are not checked here: a bounded mode still serves the batches under its bound
     when another mode of the backend covers the rest (see :func:`plan_layer`).
     """
-    ok, failures = [], []
-    for s in spec.supports:
-        hw = _check_hardware(s.hardware, env)
-        if hw is not None:
-            failures.append(hw)
-        elif not s.allows_world_size(dep.ep_size):
-            failures.append((Reason.WORLD_SIZE, (
-                f"mode {s.mode} runs with {s.describe_world_sizes()} expert-parallel ranks; the "
-                f"deployment has {dep.ep_size}"
-            )))
-        else:
-            ok.append(s)
-    if ok:
-        return ok, None
-    order = [Reason.UNSUPPORTED_DEVICE, Reason.COMPUTE_CAPABILITY, Reason.MISSING_DEPENDENCY,
-             Reason.WORLD_SIZE]
-    return [], max(failures, key=lambda f: order.index(f[0]))
+    modes = spec.accepting(env, world_size=dep.ep_size)
+    if modes:
+        return modes, None
+    v = spec.check(env, world_size=dep.ep_size)
+    return [], (v.reason, v.message)
 
 
 def _ranked(table: dict) -> list:

@@ -12,7 +12,7 @@ from moe_runtime import formats as F
 from moe_runtime.declarations import load_factory
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
-from moe_runtime.planner import Deployment, PlanError, _check_hardware, plan_layer
+from moe_runtime.planner import Deployment, PlanError, plan_layer
 from moe_runtime.runtime import CommSetup, Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.testing.cases import DEFAULT_TOLERANCE, TOLERANCE, CommCase, ExpertsCase, Shape
 
@@ -82,11 +82,11 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment) ->
     problem = LayerProblem("conformance.layer", case.format, case.activation, case.shape.experts,
                            case.shape.top_k, case.shape.hidden, case.shape.intermediate,
                            dtype=str(_dtype_for(case.format)).replace("torch.", ""))
-    failure = _check_hardware(support.hardware, env)
-    if failure is not None:
+    failure = support.hardware.check(env)
+    if not failure:
         raise ConformanceSkip(
             f"{case.backend} declares {case.format} on {support.hardware.describe_capabilities()}"
-            f" ({', '.join(sorted(support.hardware.devices))}); this machine: {failure[1]}")
+            f" ({', '.join(sorted(support.hardware.devices))}); this machine: {failure.message}")
     device = device_for(support.hardware, env)
     gen = torch.Generator().manual_seed(hash(case.id) % (2**31))
     weights, hidden_f = make_layer(case, gen)
@@ -225,9 +225,9 @@ def run_comm_case(registry: Registry, case: CommCase, env: Environment) -> list[
     """Round-trip errors per rank (in-process for one rank, gloo processes for more)."""
     spec = registry.comm_spec(case.backend)
     mode = next(s for s in spec.supports if s.mode == case.mode)
-    failure = _check_hardware(mode.hardware, env)
-    if failure is not None:
-        raise ConformanceSkip(f"{case.backend} mode {case.mode}: {failure[1]}")
+    failure = mode.hardware.check(env)
+    if not failure:
+        raise ConformanceSkip(f"{case.backend} mode {case.mode}: {failure.message}")
     if case.world_size == 1:
         got, exp = comm_round_trip(registry, case, 0, None, device_for(mode.hardware, env))
         return [(got - exp).abs().max().item() if got.numel() else 0.0]

@@ -99,7 +99,11 @@ def test_degradation_can_be_refused():
     lp, rej = plan_layer(layer(), registry=reg, environment=SM90_ENV,
                          deployment=Deployment(allow_degradation=False))
     assert lp.experts == "reference" and lp.runs_as == "nvfp4_w4a4"
-    assert any(r.backend == "hopper" and r.reason is Reason.UNSUPPORTED_FORMAT for r in rej)
+    own = [r for r in rej if r.backend == "hopper"]
+    assert [r.reason for r in own] == [Reason.DEGRADATION_DISABLED]
+    # the message says why (degradation off), not that the declared format is missing
+    assert "degradation is switched off" in own[0].message
+    assert "does not run" not in own[0].message
 
 
 def test_layers_of_different_formats_get_different_backends():

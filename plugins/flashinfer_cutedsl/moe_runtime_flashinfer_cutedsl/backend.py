@@ -62,19 +62,16 @@ def check_capability(capability: tuple[int, int] | None, device: str = "cuda") -
 
 
 def _check_setup(setup: ExpertsSetup) -> None:
-    """The combinations the declaration states, checked again at construction (pinning and
-    hand-built setups bypass the planner)."""
-    p = setup.problem
-    ok = any(
-        p.format in s.formats and setup.runs_as in s.formats and setup.layout in s.layouts
-        and setup.payload in s.payloads and p.activation in s.activations
-        for s in plugin.SPEC.supports
-    )
-    if not ok:
+    """The declaration, checked again at construction (pinning and hand-built setups bypass the
+    planner), through the same matching rule the planner uses (``Support.check``)."""
+    verdict = plugin.SPEC.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
+                                payload=setup.payload)
+    if not verdict:
         raise ValueError(
-            f"layer {p.name}: flashinfer_cutedsl does not run format {p.format} as {setup.runs_as} "
-            f"with activation {p.activation}, layout {setup.layout}, payload {setup.payload}; see "
-            "`moe-runtime plugins` for what it declares"
+            f"layer {setup.problem.name}: flashinfer_cutedsl cannot run format "
+            f"{setup.problem.format} as {setup.runs_as} with activation "
+            f"{setup.problem.activation}, layout {setup.layout}, payload {setup.payload}: "
+            f"{verdict.describe()} (see `moe-runtime plugins` for what it declares)"
         )
 
 

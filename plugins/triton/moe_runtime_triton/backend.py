@@ -9,6 +9,7 @@ import torch
 from moe_runtime import formats as F
 from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
 from moe_runtime_triton import ops
+from moe_runtime_triton.plugin import TRITON_EXPERTS
 
 
 class TritonExperts(ExpertsBackend):
@@ -18,15 +19,23 @@ class TritonExperts(ExpertsBackend):
     grouped GEMMs and the finalize kernel with no host synchronisation (CUDA-graph capturable).
     """
 
+    def __init__(self, *, setup) -> None:
+        super().__init__(setup=setup)
+        # pinning and hand-built setups bypass the planner: the same matching rule, again
+        verdict = TRITON_EXPERTS.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
+                                       payload=setup.payload)
+        if not verdict:
+            raise ValueError(
+                f"layer {setup.problem.name}: the triton backend cannot run format "
+                f"{setup.problem.format} as {setup.runs_as} (layout {setup.layout}, payload "
+                f"{setup.payload}): {verdict.describe()}")
+
     def prepare(self, weights: ExpertWeights) -> None:
         expected = self.setup.num_local_experts
         if weights.num_experts != expected:
             raise ValueError(
                 f"layer {self.setup.problem.name}: the triton backend got weights of "
                 f"{weights.num_experts} experts, expected the {expected} local experts")
-        if self.setup.layout not in (F.TOKEN_MAJOR, F.MASKED):
-            raise ValueError(f"the triton backend consumes the token_major and masked layouts, "
-                             f"not {self.setup.layout!r}")
         self.weights = ops.prepare_weights(weights, self.setup.runs_as)
         self._top_k = self.setup.problem.top_k
 

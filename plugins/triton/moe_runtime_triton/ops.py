@@ -22,14 +22,12 @@ import triton.language as tl
 from moe_runtime import formats as F
 from moe_runtime.runtime import ExpertWeights
 from moe_runtime_triton import kernels as K
+from moe_runtime_triton.plugin import TRITON_EXPERTS
 
 _FMT_CODE = {F.BF16: K.WFMT_16BIT, F.FP16: K.WFMT_16BIT, F.FP8_W8A8: K.WFMT_FP8,
              F.NVFP4_W4A16: K.WFMT_NVFP4, F.NVFP4_W4A4: K.WFMT_NVFP4}
-_RUNS = {
-    # (stored format, run_as) pairs this module executes
-    (F.BF16, F.BF16), (F.FP16, F.FP16), (F.FP8_W8A8, F.FP8_W8A8),
-    (F.NVFP4_W4A16, F.NVFP4_W4A16), (F.NVFP4_W4A4, F.NVFP4_W4A16),
-}
+# (stored format, run_as) pairs this module executes: read off the declaration, never restated
+_RUNS = frozenset((f, s.runs(f)) for s in TRITON_EXPERTS.supports for f in s.formats)
 _ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
