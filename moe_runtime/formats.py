@@ -43,6 +43,9 @@ class WeightFormat:
         activations (``nvfp4_w4a4`` -> ``nvfp4_w4a16``), or ``None``. A backend may declare that it
         runs a format *as* this one; the planner reports that as a degradation.
     :param description: one sentence for people.
+    :param encoding: how the weights are stored, one of :data:`ENCODINGS` (the core loads,
+        quantizes, dequantizes and references a format through its encoding; a plugin format must
+        name one).
     """
 
     name: str
@@ -51,6 +54,47 @@ class WeightFormat:
     activation_payload: str = UNQUANTIZED
     weight_only: str | None = None
     description: str = ""
+    encoding: str | None = None
+
+    @property
+    def stored_as(self) -> Encoding:
+        """The :class:`Encoding` record of this format (raises for an unknown encoding)."""
+        try:
+            return ENCODINGS[self.encoding]
+        except KeyError:
+            raise ValueError(
+                f"weight format {self.name!r} has encoding {self.encoding!r}; moe-runtime stores "
+                f"weights in the encodings {', '.join(sorted(ENCODINGS))}") from None
+
+
+@attrs.frozen
+class Encoding:
+    """How a format's expert weights are stored, as the core quantizes and dequantizes them.
+
+    :param name: identifier (``"nvfp4"``: E2M1 codes, e4m3 16-element block scales and a float32
+        global scale, the storage of ``nvfp4_w4a4`` and ``nvfp4_w4a16``).
+    :param element: the stored element (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``,
+        ``"e2m1"``).
+    :param packing: stored elements per byte along the input dimension (2 for E2M1 nibbles).
+    :param block_size: input elements sharing one scale (``None``: per-tensor scales or none).
+        Hidden and intermediate sizes must be multiples of it.
+    :param mantissa_bits: explicit mantissa bits of the stored element (rounding of the format).
+    """
+
+    name: str
+    element: str
+    packing: int = 1
+    block_size: int | None = None
+    mantissa_bits: int = 7
+
+    @property
+    def size_multiple(self) -> int:
+        return max(self.block_size or 1, self.packing)
+
+    @property
+    def is_float16(self) -> bool:
+        """Stored as a 16-bit float that the model computes in (no scales)."""
+        return self.element in ("bfloat16", "float16")
 
 
 @attrs.frozen
@@ -66,20 +110,30 @@ class Payload:
     description: str = ""
 
 
+ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
+    Encoding("bf16", "bfloat16", mantissa_bits=7),
+    Encoding("fp16", "float16", mantissa_bits=10),
+    Encoding("fp8_e4m3", "float8_e4m3fn", mantissa_bits=3),
+    Encoding("nvfp4", "e2m1", packing=2, block_size=16, mantissa_bits=1),
+)}
+
 BUILTIN_FORMATS: tuple[WeightFormat, ...] = (
-    WeightFormat(BF16, 16, 2.0, description="bfloat16 weights, unquantized"),
-    WeightFormat(FP16, 16, 2.0, description="float16 weights, unquantized"),
+    WeightFormat(BF16, 16, 2.0, description="bfloat16 weights, unquantized", encoding="bf16"),
+    WeightFormat(FP16, 16, 2.0, description="float16 weights, unquantized", encoding="fp16"),
     WeightFormat(
         FP8_W8A8, 8, 1.0, FP8,
         description="FP8 e4m3 weights and activations, per-tensor scales (ModelOpt FP8)",
+        encoding="fp8_e4m3",
     ),
     WeightFormat(
         NVFP4_W4A4, 4, 0.5625, NVFP4, weight_only=NVFP4_W4A16,
         description="NVFP4 weights and activations, 16-element e4m3 block scales (ModelOpt NVFP4)",
+        encoding="nvfp4",
     ),
     WeightFormat(
         NVFP4_W4A16, 4, 0.5625,
         description="NVFP4 weights, 16-bit activations (ModelOpt W4A16_NVFP4)",
+        encoding="nvfp4",
     ),
 )
 
@@ -91,3 +145,16 @@ BUILTIN_PAYLOADS: tuple[Payload, ...] = (
 
 LAYOUTS: frozenset[str] = frozenset({TOKEN_MAJOR, MASKED})
 ACTIVATIONS: frozenset[str] = frozenset({SILU, GELU})
+
+
+def builtin_twin(fmt: WeightFormat) -> str:
+    """The built-in format with the same storage and activation payload as ``fmt``: what the
+    reference computes a plugin format as (``fmt.name`` itself for a built-in format)."""
+    for b in BUILTIN_FORMATS:
+        if b.encoding == fmt.encoding and b.activation_payload == fmt.activation_payload:
+            return b.name
+    raise ValueError(
+        f"weight format {fmt.name!r}: no built-in format stores {fmt.encoding!r} weights with "
+        f"{fmt.activation_payload!r} activations, so the reference cannot compute it; built-in "
+        "formats: " + ", ".join(f"{b.name} ({b.encoding}, {b.activation_payload})"
+                                for b in BUILTIN_FORMATS))

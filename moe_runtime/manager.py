@@ -189,6 +189,21 @@ class Registered:
     plugin: str
 
 
+def _check_weight_format(fmt: F.WeightFormat, plugin: str) -> None:
+    """A format is usable end to end (loading, reference, the suite's weights and error budgets)
+    only through a storage encoding the core knows, and a payload the reference can emulate."""
+    hooks = ("moe-runtime has no hook through which a plugin could supply the loading, "
+             "quantization, dequantization and reference of another storage")
+    if fmt.encoding not in F.ENCODINGS:
+        raise RegistryError(
+            f"weight format {fmt.name!r} (plugin {plugin!r}) has encoding {fmt.encoding!r}; "
+            f"set encoding= to one of {', '.join(sorted(F.ENCODINGS))} ({hooks})")
+    try:
+        F.builtin_twin(fmt)
+    except ValueError as exc:
+        raise RegistryError(f"plugin {plugin!r}: {exc} ({hooks})") from None
+
+
 @attrs.define
 class Registry:
     """Everything the loaded plugins declared, keyed by name, with the declaring plugin."""
@@ -227,6 +242,8 @@ class Registry:
                 f"{what} {item.name!r} is registered by both plugin {table[item.name].plugin!r} "
                 f"and plugin {plugin!r}"
             )
+        if isinstance(item, F.WeightFormat):
+            _check_weight_format(item, plugin)
         table[item.name] = Registered(item, plugin)
 
     def _add_backend(self, spec, plugin: str) -> None:

@@ -42,9 +42,10 @@ __all__ = [
 ]
 
 _FORMATS = {f.name: f for f in formats.BUILTIN_FORMATS}
-_FLOAT_DTYPES = {formats.BF16: torch.bfloat16, formats.FP16: torch.float16}
-_NVFP4_FORMATS = frozenset({formats.NVFP4_W4A4, formats.NVFP4_W4A16})
-_NVFP4_BLOCK = 16
+# Everything below dispatches on a format's storage (formats.Encoding) and activation payload,
+# never on its name.
+_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8_ELEMENT, E2M1_ELEMENT = "float8_e4m3fn", "e2m1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,28 +62,28 @@ def _format(name: str) -> formats.WeightFormat:
         ) from None
 
 
+def _element(fmt: str) -> str:
+    return _format(fmt).stored_as.element
+
+
 def _check_weights(w: ExpertWeights) -> None:
-    _format(w.format)
+    spec = _format(w.format)
     if w.activation not in formats.ACTIVATIONS:
         raise ValueError(
             f"unknown activation {w.activation!r}; expected one of {sorted(formats.ACTIVATIONS)}"
         )
-    needed = {
-        formats.FP8_W8A8: ("w13_scale", "w2_scale", "a13_scale", "a2_scale"),
-        formats.NVFP4_W4A4: (
-            "w13_scale",
-            "w2_scale",
-            "w13_scale_2",
-            "w2_scale_2",
-            "a13_scale",
-            "a2_scale",
-        ),
-        formats.NVFP4_W4A16: ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"),
-    }.get(w.format, ())
+    element = spec.stored_as.element
+    needed: tuple[str, ...] = ()
+    if element == FP8_ELEMENT:
+        needed = ("w13_scale", "w2_scale")
+    elif element == E2M1_ELEMENT:
+        needed = ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
+    if spec.activation_payload != formats.UNQUANTIZED:
+        needed += ("a13_scale", "a2_scale")
     missing = [name for name in needed if getattr(w, name) is None]
     if missing:
         raise ValueError(f"{w.format} expert weights need {', '.join(missing)}")
-    packing = 2 if w.format in _NVFP4_FORMATS else 1
+    packing = spec.stored_as.packing
     e, two_i, h_stored = w.w13.shape
     e2, h, i_stored = w.w2.shape
     if e != e2 or two_i % 2 or h_stored * packing != h or i_stored * packing != two_i // 2:
@@ -101,11 +102,12 @@ def _dequantize_projection(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Dequantize one projection; leading dims (experts) of q, scale and scale_2 agree."""
-    if fmt in _FLOAT_DTYPES:
+    element = _element(fmt)
+    if element in _FLOAT_DTYPES:
         return q.to(dtype)
-    if fmt == formats.FP8_W8A8:
+    if element == FP8_ELEMENT:
         return dequantize_fp8(q, scale.unsqueeze(-1), dtype)
-    if fmt in _NVFP4_FORMATS:
+    if element == E2M1_ELEMENT:
         return dequantize_nvfp4(q, scale, scale_2.reshape(*scale_2.shape, 1, 1), dtype)
     raise ValueError(f"no dequantization for format {fmt!r}")  # pragma: no cover - _format guards
 
@@ -207,8 +209,9 @@ def quantize_expert_weights(
     i = two_i // 2
     device = w13_float.device
 
-    if fmt in _FLOAT_DTYPES:
-        dtype = _FLOAT_DTYPES[fmt]
+    element = spec.stored_as.element
+    if element in _FLOAT_DTYPES:
+        dtype = _FLOAT_DTYPES[element]
         return ExpertWeights(
             fmt, activation, w13_float.to(dtype).contiguous(), w2_float.to(dtype).contiguous()
         )
@@ -221,11 +224,12 @@ def quantize_expert_weights(
                 f"{fmt} quantizes activations: pass a13_amax and a2_amax (the calibrated absolute "
                 "maxima of GEMM 1's input and of the gated intermediate)"
             )
-        to_scale = fp8_scale_from_amax if fmt == formats.FP8_W8A8 else nvfp4_global_scale
+        to_scale = (fp8_scale_from_amax if spec.activation_payload == formats.FP8
+                    else nvfp4_global_scale)
         a13 = to_scale(_positive_scalar(a13_amax, "a13_amax", device))
         a2 = to_scale(_positive_scalar(a2_amax, "a2_amax", device))
 
-    if fmt == formats.FP8_W8A8:
+    if element == FP8_ELEMENT:
         gate, up = w13_float[:, :i], w13_float[:, i:]
         if shared_gate_up_fp8_scale:
             gate_amax = up_amax = _weight_amax(w13_float, "gate/up weights")
@@ -252,10 +256,11 @@ def quantize_expert_weights(
             a2_scale=a2,
         )
 
-    if fmt in _NVFP4_FORMATS:
-        if h % _NVFP4_BLOCK or i % _NVFP4_BLOCK:
+    if element == E2M1_ELEMENT:
+        block = spec.stored_as.block_size
+        if h % block or i % block:
             raise ValueError(
-                f"{fmt} needs hidden and intermediate sizes that are multiples of 16, "
+                f"{fmt} needs hidden and intermediate sizes that are multiples of {block}, "
                 f"got H={h}, I={i}"
             )
         w13_s2 = nvfp4_global_scale(_weight_amax(w13_float, "gate/up weights"))

@@ -126,6 +126,44 @@ def test_declaring_an_unregistered_format_is_an_error():
         Registry.from_plugin_manager(pm)
 
 
+def _format_plugin(fmt):
+    from moe_runtime import ExpertsBackendSpec, Support
+
+    plugin = types.ModuleType("fmt_plugin")
+
+    @hookimpl
+    def moe_runtime_register_formats(register):
+        register(fmt)
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(ExpertsBackendSpec(name="mx", factory="m:C",
+                                    supports=[Support(formats=[fmt.name])]))
+
+    plugin.moe_runtime_register_formats = moe_runtime_register_formats
+    plugin.moe_runtime_register_backends = moe_runtime_register_backends
+    return plugin
+
+
+def test_a_plugin_format_of_an_unknown_storage_is_refused_at_registration():
+    from moe_runtime.formats import WeightFormat
+
+    plugin = _format_plugin(WeightFormat("mxfp4_w4a16", 4, 0.53, description="MXFP4 weights"))
+    with pytest.raises(RegistryError, match=r"'mxfp4_w4a16' .*encoding None.*nvfp4.*no hook"):
+        Registry.from_plugin_manager(get_plugin_manager(autoload=False, plugins=[plugin],
+                                                        environ={}))
+
+
+def test_a_plugin_format_the_reference_cannot_emulate_is_refused():
+    from moe_runtime.formats import WeightFormat
+
+    # bf16 storage with fp8-quantized activations: no built-in format computes that
+    plugin = _format_plugin(WeightFormat("bf16_a8", 16, 2.0, "fp8", encoding="bf16"))
+    with pytest.raises(RegistryError, match="no built-in format stores 'bf16' weights"):
+        Registry.from_plugin_manager(get_plugin_manager(autoload=False, plugins=[plugin],
+                                                        environ={}))
+
+
 def test_plugin_can_add_a_format():
     from moe_runtime import ExpertsBackendSpec, Support
     from moe_runtime.formats import WeightFormat
@@ -134,18 +172,19 @@ def test_plugin_can_add_a_format():
 
     @hookimpl
     def moe_runtime_register_formats(register):
-        register(WeightFormat("mxfp4_w4a16", 4, 0.53, description="MXFP4 weights"))
+        register(WeightFormat("nvfp4_w4a16_v2", 4, 0.5625, description="NVFP4, another name",
+                              encoding="nvfp4"))
 
     @hookimpl
     def moe_runtime_register_backends(register):
         register(ExpertsBackendSpec(name="mx", factory="m:C",
-                                    supports=[Support(formats=["mxfp4_w4a16"])]))
+                                    supports=[Support(formats=["nvfp4_w4a16_v2"])]))
 
     plugin.moe_runtime_register_formats = moe_runtime_register_formats
     plugin.moe_runtime_register_backends = moe_runtime_register_backends
     reg = Registry.from_plugin_manager(
         get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
-    assert reg.formats["mxfp4_w4a16"].plugin == "mxfp4_plugin"
+    assert reg.formats["nvfp4_w4a16_v2"].plugin == "mxfp4_plugin"
     assert "mx" in reg.experts
 
 
