@@ -235,6 +235,15 @@ def make_tiny_checkpoint(
         if size % 16:
             raise ValueError(f"{name} {size}: NVFP4 blocks need a multiple of 16")
 
+    if quant != "bf16":
+        try:
+            import modelopt.torch.export  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                f"quant={quant!r}: the tiny checkpoints are exported by nvidia-modelopt, which is "
+                "not installed: pip install 'moe-runtime[default-model]' (from a checkout: "
+                "pip install '.[default-model]')"
+            ) from exc
     import torch
     from transformers import AutoModelForCausalLM
 

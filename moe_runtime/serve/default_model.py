@@ -58,14 +58,27 @@ def ensure_default_model(progress: bool = True) -> Path:
     return final
 
 
-def make_default_model(out_dir: str | Path, *, quant: str = "mixed") -> Path:
+def make_default_model(out_dir: str | Path, *, quant: str = "mixed", arch: str = "qwen3_moe",
+                       **overrides) -> Path:
     """Write the default model (weights, config, tokenizer) into ``out_dir``, deterministically.
 
     ``quant`` picks another export of the same recipe (``"w4a16_nvfp4"``, ``"bf16"``...), for tests
-    that need weight-only numerics.
+    that need weight-only numerics; ``arch`` another architecture of
+    :data:`moe_runtime.checkpoint.tiny.ARCHS` with the same tokenizer (tests of each served
+    family), ``overrides`` further :func:`~moe_runtime.checkpoint.tiny.make_tiny_checkpoint`
+    arguments.
     """
     from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
 
+    if quant != "bf16":
+        try:
+            import modelopt.torch.export  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "the default model is exported by nvidia-modelopt, which is not installed: "
+                "pip install 'moe-runtime[default-model]' (from a checkout: "
+                "pip install '.[default-model]'), or serve a checkpoint of yours with --model DIR"
+            ) from exc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = tiny_tokenizer.save_tokenizer(out, model_max_length=CONTEXT_LENGTH)
@@ -75,8 +88,9 @@ def make_default_model(out_dir: str | Path, *, quant: str = "mixed") -> Path:
         "eos_token_id": ids[tiny_tokenizer.EOS_TOKEN],
         "pad_token_id": ids[tiny_tokenizer.BOS_TOKEN],
     }
-    make_tiny_checkpoint(out, arch="qwen3_moe", quant=quant, seed=SEED, vocab_size=vocab,
-                         max_position_embeddings=CONTEXT_LENGTH, initializer_range=0.1, **special)
+    options = dict(seed=SEED, vocab_size=vocab, max_position_embeddings=CONTEXT_LENGTH,
+                   initializer_range=0.1, **special)
+    make_tiny_checkpoint(out, arch=arch, quant=quant, **{**options, **overrides})
     # the exporter writes no generation config; the server reads EOS from it
     (out / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     return out
