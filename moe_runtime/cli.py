@@ -189,10 +189,45 @@ def cmd_plan(args) -> int:
             layers = sum(1 for x in plan.rejections if (x.role, x.backend, x.reason, x.message)
                          == key)
             print(f"  {r.role} {r.backend}: {r.reason.value}: {r.message} ({layers} layer(s))")
+    from moe_runtime.first_party import degraded_plan_hints
+
+    for line in degraded_plan_hints(lp.problem.name for lp in plan.layers if lp.degradations):
+        print(line)
     return 0
 
 
 # ---------------------------------------------------------------------------------- the parser
+
+
+def version_text() -> str:
+    """``moe-runtime --version``: the core's version, then each entry-point plugin's distribution.
+
+    Read from installed metadata only: no plugin is imported, so a broken one cannot hide the rest.
+    """
+    from importlib import metadata
+
+    from moe_runtime import __version__
+
+    lines = [f"moe-runtime {__version__}"]
+    seen = set()
+    for ep in sorted(metadata.entry_points(group="moe_runtime"), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        key = (ep.name, dist.name if dist else None)
+        if key in seen:  # an editable install can list one distribution twice
+            continue
+        seen.add(key)
+        where = f"{dist.name} {dist.version}" if dist else "(distribution unknown)"
+        lines.append(f"  plugin {ep.name}: {where}")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of moe-runtime and of its entry-point plugins")
     parser.add_argument("-p", dest="plugin_opts", action="append", metavar="no:NAME",
                         help="block a plugin by name (repeatable)")
     parser.add_argument("--disable-plugin-autoload", action="store_true",

@@ -240,9 +240,12 @@ def check_deployment(registry: Registry, dep: Deployment) -> None:
         (dep.comm_backend, registry.comms, "communication", "--moe-a2a-backend"),
     ):
         if pinned is not None and pinned not in table:
+            from moe_runtime.first_party import unregistered_backend_hint  # message text only
+
             raise PlanError(
                 f"{flag} {pinned!r} is not a registered {role} backend; registered: "
                 f"{', '.join(sorted(table)) or 'none'} (see `moe-runtime plugins`)"
+                + unregistered_backend_hint(pinned)
             )
     if dep.payload is not None and dep.payload not in registry.payloads:
         raise PlanError(

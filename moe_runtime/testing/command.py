@@ -18,7 +18,12 @@ def add_conformance_command(sub) -> None:
 
 
 def run_conformance(args) -> int:
-    import pytest
+    try:
+        import pytest
+    except ImportError:
+        print("conformance: the suite runs on pytest, which is not installed here: "
+              "pip install 'pytest>=8'", file=sys.stderr)
+        return 2
 
     from moe_runtime.testing import suite
 
