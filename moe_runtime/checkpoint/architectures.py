@@ -1,9 +1,10 @@
 """Where each supported architecture keeps its MoE layers, read from config.json alone.
 
 One entry per ``architectures[0]`` value: which decoder layers are MoE, their sizes, the router,
-the shared expert, and how the experts' tensors are named. Optional fields default to what
-transformers' config class of the architecture defaults them to, so a checkpoint reads the way
-transformers would build it. Nothing here concerns quantization.
+the shared expert, how the experts' tensors are named, and what its attention writes to a KV cache
+(which decides how ``moe-runtime serve`` batches it). Optional fields default to what transformers'
+config class of the architecture defaults them to, so a checkpoint reads the way transformers would
+build it. Nothing here concerns quantization.
 """
 
 from __future__ import annotations
@@ -100,6 +101,61 @@ class _Fields:
         return _ACTIVATIONS[act]
 
 
+@attrs.frozen
+class AttentionCache:
+    """What one token costs the KV cache of a full-attention layer, as transformers' model writes it.
+
+    :param kv_heads: key/value heads.
+    :param key_head_size: one key head (MLA: ``qk_nope_head_dim + qk_rope_head_dim``).
+    :param value_head_size: one value head (MLA: ``v_head_dim``).
+    :param sliding_window: some layers attend to a window only.
+    :param recurrent_layers: some layers keep a recurrent state instead (linear attention).
+    """
+
+    kv_heads: int
+    key_head_size: int
+    value_head_size: int
+    sliding_window: bool = False
+    recurrent_layers: bool = False
+
+    def describe(self) -> str:
+        if self.key_head_size == self.value_head_size:
+            text = f"keys and values of {self.kv_heads} heads x {self.key_head_size}"
+        else:
+            text = (f"keys of {self.kv_heads} heads x {self.key_head_size} and values of "
+                    f"{self.kv_heads} heads x {self.value_head_size}")
+        if self.sliding_window:
+            text += ", some layers over a sliding window"
+        if self.recurrent_layers:
+            text += ", and linear-attention layers that keep a recurrent state"
+        return text
+
+
+def _heads(f: _Fields) -> tuple[int, int]:
+    heads = f.int("num_attention_heads", minimum=1)
+    return heads, f.int("num_key_value_heads", default=heads, minimum=1)
+
+
+def _mha_cache(f: _Fields) -> AttentionCache:
+    """Multi-head / grouped-query attention: keys and values of ``head_dim`` per head."""
+    heads, kv_heads = _heads(f)
+    size = f.int("head_dim", default=f.int("hidden_size", minimum=1) // heads, minimum=1)
+    layer_types = f.get("layer_types") or []
+    sliding = (f.get("sliding_window") is not None and f.bool("use_sliding_window", True)
+               if not layer_types else "sliding_attention" in layer_types)
+    return AttentionCache(kv_heads, size, size, sliding_window=sliding,
+                          recurrent_layers="linear_attention" in layer_types)
+
+
+def _mla_cache(f: _Fields) -> AttentionCache:
+    """Multi-head latent attention as transformers runs it: the compressed KV expanded per head,
+    keys of ``qk_nope_head_dim + qk_rope_head_dim``, values of ``v_head_dim`` (DeepseekV3Config's
+    defaults)."""
+    _, kv_heads = _heads(f)
+    key = f.int("qk_nope_head_dim", default=128) + f.int("qk_rope_head_dim", default=64)
+    return AttentionCache(kv_heads, key, f.int("v_head_dim", default=128, minimum=1))
+
+
 def _sparse_step_layers(f: _Fields, num_experts: int) -> list[int]:
     """Qwen2/3-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in mlp_only_layers."""
     step = f.int("decoder_sparse_step", default=1, minimum=1)
@@ -175,6 +231,12 @@ def _deepseek_v3(f: _Fields) -> list[MoEStructure]:
             if i >= first_dense and i % freq == 0]
 
 
+_LINEAR_ATTENTION = (
+    "its linear-attention (Gated DeltaNet) layers keep a recurrent state, which neither batching "
+    "path of the server holds: transformers' paged cache groups only full and sliding attention "
+    "layers, and the padded dynamic cache cannot pad a recurrent state")
+
+
 @attrs.frozen
 class Architecture:
     """How one architecture names and shapes its MoE layers.
@@ -182,43 +244,75 @@ class Architecture:
     :param prefix: the tensor-name prefix of the decoder layers (``"model."``); the tensors of a
         real folder override it when they spell it differently.
     :param block: the MoE block's attribute in a decoder layer (``"mlp"``, ``"block_sparse_moe"``).
+    :param family: the model family's name for people (``"DeepSeek-V3"``).
+    :param cache: what its attention writes to a KV cache, from config.json.
     :param text_config: the model fields sit under config.json's ``text_config``.
+    :param served: ``moe-runtime serve`` serves it (each served family has an end-to-end test);
+        one that is not is refused at start-up with :attr:`serve_refusal`.
     """
 
     name: str
+    family: str
     prefix: str
     block: str
     expert_names: tuple[str, str, str]
     layers: Callable[[_Fields], list[MoEStructure]]
+    cache: Callable[[_Fields], AttentionCache] = _mha_cache
     text_config: bool = False
+    served: bool = True
+    serve_refusal: str = ""
 
     def experts_name(self, prefix: str, index: int) -> str:
         return f"{prefix}layers.{index}.{self.block}.experts"
 
-    def structure(self, config: dict[str, Any], file: str) -> list[MoEStructure]:
+    def _fields(self, config: dict[str, Any], file: str) -> _Fields:
         if self.text_config and isinstance(config.get("text_config"), dict):
-            return self.layers(_Fields(config["text_config"], file, "text_config."))
-        return self.layers(_Fields(config, file))
+            return _Fields(config["text_config"], file, "text_config.")
+        return _Fields(config, file)
+
+    def structure(self, config: dict[str, Any], file: str) -> list[MoEStructure]:
+        return self.layers(self._fields(config, file))
+
+    def attention_cache(self, config: dict[str, Any], file: str) -> AttentionCache:
+        return self.cache(self._fields(config, file))
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
-        Architecture("Qwen3MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+        Architecture("Qwen3MoeForCausalLM", "Qwen3-MoE", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=False, norm_topk_default=False)),
-        Architecture("Qwen2MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
+        Architecture("Qwen2MoeForCausalLM", "Qwen2-MoE", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=True, norm_topk_default=False)),
-        Architecture("Qwen3NextForCausalLM", "model.", "mlp", GATE_UP_DOWN,
-                     _qwen_moe(shared=True, norm_topk_default=True)),
-        Architecture("Qwen3_5MoeForConditionalGeneration", "model.language_model.", "mlp",
-                     GATE_UP_DOWN, _qwen_moe(shared=True, norm_topk_default=None),
-                     text_config=True),
-        Architecture("Qwen3_5MoeForCausalLM", "model.", "mlp", GATE_UP_DOWN,
-                     _qwen_moe(shared=True, norm_topk_default=None), text_config=True),
-        Architecture("MixtralForCausalLM", "model.", "block_sparse_moe", MIXTRAL_NAMES, _mixtral),
-        Architecture("DeepseekV3ForCausalLM", "model.", "mlp", GATE_UP_DOWN, _deepseek_v3),
+        Architecture("Qwen3NextForCausalLM", "Qwen3-Next", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=True, norm_topk_default=True),
+                     served=False, serve_refusal=_LINEAR_ATTENTION),
+        Architecture("Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE", "model.language_model.",
+                     "mlp", GATE_UP_DOWN, _qwen_moe(shared=True, norm_topk_default=None),
+                     text_config=True, served=False, serve_refusal=_LINEAR_ATTENTION),
+        Architecture("Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", "model.", "mlp", GATE_UP_DOWN,
+                     _qwen_moe(shared=True, norm_topk_default=None), text_config=True,
+                     served=False, serve_refusal=_LINEAR_ATTENTION),
+        Architecture("MixtralForCausalLM", "Mixtral", "model.", "block_sparse_moe",
+                     MIXTRAL_NAMES, _mixtral),
+        Architecture("DeepseekV3ForCausalLM", "DeepSeek-V3", "model.", "mlp", GATE_UP_DOWN,
+                     _deepseek_v3, cache=_mla_cache),
     )
 }
+
+
+def served_families() -> dict[str, list[str]]:
+    """The families ``moe-runtime serve`` serves, each with its architectures (table order)."""
+    families: dict[str, list[str]] = {}
+    for arch in ARCHITECTURES.values():
+        if arch.served:
+            families.setdefault(arch.family, []).append(arch.name)
+    return families
+
+
+def unserved_families() -> dict[str, str]:
+    """Families in the table that ``moe-runtime serve`` refuses, each with the reason."""
+    return {a.family: a.serve_refusal for a in ARCHITECTURES.values() if not a.served}
 
 
 def architecture_of(config: dict[str, Any], file: str) -> Architecture:

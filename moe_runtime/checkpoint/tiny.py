@@ -58,6 +58,7 @@ from typing import Any
 
 ARCHS: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -90,6 +91,14 @@ def _config(arch: str, *, num_layers: int, hidden_size: int, intermediate_size: 
             num_experts=num_experts, norm_topk_prob=True,
         )
         cls = transformers.Qwen3MoeConfig
+    elif arch == "qwen2_moe":
+        kwargs = dict(
+            common, num_key_value_heads=max(1, heads // 2),
+            intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=2 * intermediate_size, num_experts=num_experts,
+            norm_topk_prob=True,
+        )
+        cls = transformers.Qwen2MoeConfig
     elif arch == "mixtral":
         kwargs = dict(
             common, head_dim=_HEAD_DIM, num_key_value_heads=max(1, heads // 2),
@@ -122,7 +131,7 @@ def _moe_layer_indices(arch: str, config) -> list[int]:
     n = config.num_hidden_layers
     if arch == "deepseek_v3":
         return [i for i in range(n) if i >= config.first_k_dense_replace]
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         dense = set(config.mlp_only_layers or [])
         step = config.decoder_sparse_step
         return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
@@ -212,7 +221,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Build, calibrate, quantize and export a tiny MoE model into ``out_dir``; return the folder.
 
-    :param arch: ``"qwen3_moe"``, ``"mixtral"`` or ``"deepseek_v3"`` (first layer dense).
+    :param arch: ``"qwen3_moe"``, ``"qwen2_moe"`` (with a shared expert), ``"mixtral"`` or
+        ``"deepseek_v3"`` (first layer dense).
     :param quant: ``"bf16"`` (no ModelOpt), ``"fp8"``, ``"nvfp4"``, ``"w4a16_nvfp4"`` or
         ``"mixed"`` (MIXED_PRECISION: NVFP4 routed experts, FP8 attention and dense MLPs, layer
         0's ``self_attn.o_proj`` left bf16, ``lm_head`` and routers bf16).
