@@ -1,24 +1,33 @@
-"""The generation engine: transformers' continuous batching, driven from asyncio.
+"""The generation engine: a batching path driven from asyncio, and the start-up probe.
 
-Concurrent requests are batched by transformers' ``ContinuousBatchingManager`` (paged KV cache,
-FIFO scheduler, chunked prefill, one background thread that runs the model); this module only
-submits requests, turns its token outputs into text deltas, and cancels requests that end early
-(a stop string, a client gone). Per-request sampling runs inside the batch through
-:class:`~moe_runtime.serve.sampling.PerRequestSampler`.
+Concurrent requests are batched by one of the two paths of :mod:`moe_runtime.serve.batching`,
+chosen from the model's config: transformers' ``ContinuousBatchingManager`` (paged KV cache, FIFO
+scheduler, chunked prefill, one background thread that runs the model) where its cache holds the
+model's keys and values, else :class:`~moe_runtime.serve.batching.CacheBatcher` (a padded
+``DynamicCache``). This module only submits requests, turns their token outputs into text deltas,
+and cancels requests that end early (a stop string, a client gone). Per-request sampling runs inside
+the batch through :class:`~moe_runtime.serve.sampling.PerRequestSampler`.
+
+The engine is *ready* only after :meth:`Engine.probe` generated one token through the same path
+that requests take; a probe that fails raises :class:`ReadinessError`, naming the architecture, the
+batching path and the module whose forward failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import queue
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
+from moe_runtime.serve.batching import CONTINUOUS, CacheBatcher, choose_batching
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
 from moe_runtime.serve.loading import LoadedModel
 from moe_runtime.serve.sampling import (
@@ -37,6 +46,10 @@ class EngineError(RuntimeError):
 
 class EngineUnavailable(EngineError):
     """The batching thread is not running: no request can be served."""
+
+
+class ReadinessError(RuntimeError):
+    """The start-up generation of one token failed; the message is one paragraph for people."""
 
 
 @attrs.frozen
@@ -60,10 +73,15 @@ class Engine:
     :param max_batch_size: most requests decoded together in one forward.
     :param max_model_len: cap on prompt + generated tokens (default: the model's context length);
         the paged KV cache holds ``max_batch_size`` sequences of this length.
+    :param batching: ``"auto"`` (from the model's config, see
+        :func:`~moe_runtime.serve.batching.choose_batching`), ``"continuous"`` or ``"dynamic"``;
+        a model no path can hold raises :class:`~moe_runtime.serve.batching.BatchingError`.
+    :param debug: log the traceback of a failed probe (else the probe's message is all).
     """
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 8,
-                 max_model_len: int | None = None, block_size: int = 32) -> None:
+                 max_model_len: int | None = None, block_size: int = 32,
+                 batching: str = "auto", debug: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -76,7 +94,10 @@ class Engine:
         self.block_size = block_size
         self.eos_token_ids = self._eos_ids()
         self.sampler = PerRequestSampler()
+        self.batching = choose_batching(config, batching)
+        self.debug = debug
         self._manager = None
+        self._ready = False
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -91,12 +112,23 @@ class Engine:
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Create the continuous-batching manager and start its thread."""
+    def start(self, probe: bool = True) -> None:
+        """Start the batching thread, then (``probe``) generate one token: ready when it returns."""
+        if self._manager is None:
+            self._manager = (self._continuous_manager() if self.batching.path == CONTINUOUS
+                             else self._cache_batcher())
+        if probe:
+            self.probe()
+
+    def _cache_batcher(self) -> CacheBatcher:
+        batcher = CacheBatcher(self.loaded.model, self.sampler,
+                               max_batch_size=self.max_batch_size, pad_token_id=self._pad_id())
+        batcher.start()
+        return batcher
+
+    def _continuous_manager(self):
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        if self._manager is not None:
-            return
         logging.getLogger("ContinuousBatchingLogger").setLevel(
             logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.ERROR)
         # Greedy and processor-free: PerRequestSampler does every request's sampling.
@@ -118,13 +150,57 @@ class Engine:
             generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = SamplerProcessorList(self.sampler)
         manager.start()
-        self._manager = manager
+        return manager
+
+    def probe(self, timeout: float | None = None) -> float:
+        """Generate one greedy token through the batching path; returns the seconds it took.
+
+        Raises :class:`ReadinessError` when it fails: the architecture, the batching path, the
+        innermost module whose forward raised, and the error, in one paragraph.
+        """
+        if self._manager is None:
+            raise ReadinessError("the engine was not started")
+        prompt = self.encode_prompt("Hello") or [self._pad_id()]
+        result: dict = {}
+
+        def run() -> None:  # on a thread of its own: the caller may be inside an event loop
+            try:
+                result["delta"] = asyncio.run(asyncio.wait_for(self.complete(
+                    prompt, max_tokens=1, sampling=SamplingParams(temperature=0.0),
+                    request_id=f"readiness-probe-{uuid.uuid4().hex}", _probe=True), timeout))
+            except asyncio.TimeoutError:
+                result["failure"] = f"no token within {timeout} s"
+            except Exception as exc:
+                result["failure"] = str(exc) or type(exc).__name__
+
+        start = time.perf_counter()
+        with _ModuleTrace(self.loaded.model) as trace, _quiet_batchers(not self.debug):
+            thread = threading.Thread(target=run, name="moe-runtime-probe", daemon=True)
+            thread.start()
+            thread.join()
+        failure = result.get("failure")
+        if failure is None and not result["delta"].token_ids:
+            failure = "it returned no token"
+        if failure is not None:
+            raise ReadinessError(self._readiness_message(failure, trace.failing_module()))
+        self._ready = True
+        return time.perf_counter() - start
+
+    def _readiness_message(self, failure: str, module: str | None) -> str:
+        config = self.loaded.model.config
+        arch = (getattr(config, "architectures", None) or [type(self.loaded.model).__name__])[0]
+        where = f"in {module}" if module else "outside any module's forward"
+        return (f"{arch} cannot serve: the start-up generation of one token failed {where}, "
+                f"batching with {self.batching.describe()}. The error: "
+                f"{' '.join(failure.split()).rstrip('.')}. The server did not become ready; run "
+                "with --debug for the traceback.")
 
     def _pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
     def shutdown(self) -> None:
+        self._ready = False
         if self._manager is not None:
             self._manager.stop(block=True, timeout=10)
             self._manager.destroy()
@@ -132,6 +208,11 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
+        """Ready (the probe generated a token) and the batching thread is running."""
+        return self._ready and self._running
+
+    @property
+    def _running(self) -> bool:
         m = self._manager
         return m is not None and m.is_running() and _fatal_error(m) is None
 
@@ -151,13 +232,14 @@ class Engine:
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
+                       request_id: str | None = None,
+                       _probe: bool = False) -> AsyncIterator[Delta]:
         """Stream one request's deltas; the last one has a ``finish_reason``.
 
         Closing the iterator early (the client went away) cancels the request in the batch.
         """
         manager = self._manager
-        if manager is None or not self.healthy:
+        if manager is None or not (self._running if _probe else self.healthy):
             reason = _fatal_error(manager) if manager else "not started"
             raise EngineUnavailable(f"the generation engine is not running ({reason})")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -219,12 +301,12 @@ class Engine:
 
     async def complete(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),
-                       request_id: str | None = None) -> Delta:
+                       request_id: str | None = None, _probe: bool = False) -> Delta:
         """The whole response as one :class:`Delta` (its text is the full text)."""
         parts = []
         last = None
         async for delta in self.generate(prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                                         stop=stop, request_id=request_id):
+                                         stop=stop, request_id=request_id, _probe=_probe):
             parts.append(delta.text)
             last = delta
         assert last is not None
@@ -236,3 +318,58 @@ def _fatal_error(manager):
     manager, 5.17 on ``manager.background_thread_status``)."""
     status = getattr(manager, "background_thread_status", None)
     return getattr(manager, "fatal_error", None) or getattr(status, "fatal_error", None)
+
+
+_BATCHER_LOGGERS = ("ContinuousBatchingLogger", "moe_runtime.serve.batching")
+
+
+@contextlib.contextmanager
+def _quiet_batchers(quiet: bool):
+    """The batchers log a failed step with its traceback; the probe reports it in one paragraph."""
+    loggers = [logging.getLogger(name) for name in _BATCHER_LOGGERS] if quiet else []
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class _ModuleTrace:
+    """While active, remembers which module forwards are open on each thread: after a failed
+    forward, the innermost one still open is the module that raised (post-hooks never ran)."""
+
+    def __init__(self, model) -> None:
+        self._names = {id(m): f"{name or 'the model'} ({type(m).__name__})"
+                       for name, m in model.named_modules()}
+        self._open: dict[int, list[str]] = {}
+        self._handles = []
+
+    def __enter__(self) -> _ModuleTrace:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        def pre(module, args):
+            name = self._names.get(id(module))
+            if name is not None:
+                self._open.setdefault(threading.get_ident(), []).append(name)
+
+        def post(module, args, output):
+            stack = self._open.get(threading.get_ident())
+            if stack and self._names.get(id(module)) == stack[-1]:
+                stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def failing_module(self) -> str | None:
+        stacks = [s for s in self._open.values() if s]
+        return stacks[-1][-1] if stacks else None

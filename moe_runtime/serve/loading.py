@@ -70,6 +70,7 @@ def load_for_serving(
 
     deployment = Deployment(experts_backend=moe_runner_backend, comm_backend=moe_a2a_backend)
     try:
+        _require_served_architecture(path)
         # Plan first (no transformers import, no weights): a refused pin fails in a second.
         if not transformers_experts:
             _plan_only(path, device, deployment)
@@ -102,6 +103,25 @@ def load_for_serving(
         plan = {"loader": "moe-runtime", "dtype": str(model.dtype).replace("torch.", ""),
                 "device": device, **loaded.plan_json()}
     return LoadedModel(model=model, tokenizer=tokenizer, plan=plan, name=path.name)
+
+
+def _require_served_architecture(path: Path) -> None:
+    """Refuse an architecture that the table marks as not served, naming those that are."""
+    import json
+
+    from moe_runtime.checkpoint.architectures import architecture_of, served_families
+
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
+    arch = architecture_of(config, str(file))
+    if not arch.served:
+        served = "; ".join(f"{family} ({', '.join(names)})"
+                           for family, names in served_families().items())
+        raise LoadError(f"{file}: architecture {arch.name} ({arch.family}) plans, but moe-runtime "
+                        f"serve cannot serve it: {arch.serve_refusal}. Served families: {served}")
 
 
 def _plan_only(path: Path, device: str, deployment) -> None:

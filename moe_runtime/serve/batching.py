@@ -1,0 +1,344 @@
+"""The two batching paths of ``moe-runtime serve``, and the choice between them from the model's config.
+
+- ``continuous``: transformers' ``ContinuousBatchingManager`` (paged KV cache). Its cache
+  (transformers 5.14) allocates one page shape for keys *and* values, ``[num_key_value_heads,
+  head_dim]``, with ``head_dim`` read from ``config.head_dim`` (else ``hidden_size //
+  num_attention_heads``), and groups layers only as full or sliding attention.
+- ``dynamic``: :class:`CacheBatcher`, below: one left-padded ``DynamicCache`` shared by the running
+  requests, which holds keys and values of any head sizes. A request joins between decode steps (its
+  prompt prefilled alone, its cache padded and stacked onto the batch's) and leaves by row selection.
+
+:func:`choose_batching` takes ``continuous`` when the paged cache can hold what the attention writes
+(the architecture table's :class:`~moe_runtime.checkpoint.architectures.AttentionCache`), else
+``dynamic``. DeepSeek-V3's multi-head latent attention writes keys of ``qk_nope_head_dim +
+qk_rope_head_dim`` and values of ``v_head_dim`` per head, while its config's ``head_dim`` is
+``qk_rope_head_dim``: the paged cache cannot hold them (the ``index_copy_`` shape error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from moe_runtime.serve.sampling import GREEDY, SLOT_KWARG, PerRequestSampler
+
+log = logging.getLogger("moe_runtime.serve.batching")
+
+CONTINUOUS = "continuous"
+DYNAMIC = "dynamic"
+CHOICES = ("auto", CONTINUOUS, DYNAMIC)
+
+
+class BatchingError(RuntimeError):
+    """No batching path can serve this model (or not the one asked for); the message says why."""
+
+
+@attrs.frozen
+class BatchingChoice:
+    """The batching path chosen for a model, and a sentence saying why (shown at start-up)."""
+
+    path: str
+    reason: str
+
+    def describe(self) -> str:
+        what = ("continuous batching (transformers' paged KV cache)" if self.path == CONTINUOUS
+                else "dynamic-cache batching (a padded transformers DynamicCache)")
+        return f"{what}: {self.reason}"
+
+
+def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:
+    """The batching path for a transformers model ``config``; ``requested`` may pin one.
+
+    A pinned ``continuous`` is honoured even where the paged cache cannot hold the model (the
+    start-up probe then shows the failure); ``dynamic`` needs every layer's cache to be plain
+    full-attention keys and values.
+    """
+    import transformers
+    from transformers.generation.continuous_batching.cache import (
+        find_head_dim,
+        find_num_kv_heads,
+    )
+
+    from moe_runtime.checkpoint.architectures import architecture_of
+
+    if requested not in CHOICES:
+        raise BatchingError(f"batching {requested!r} is unknown; accepted: {', '.join(CHOICES)}")
+    data = config.to_dict()
+    arch = architecture_of(data, "config.json")
+    cache = arch.attention_cache(data, "config.json")
+    name = f"{arch.name} ({arch.family})"
+    if cache.recurrent_layers:
+        raise BatchingError(
+            f"{name} cannot be served: {cache.describe()}; neither batching path holds such a "
+            f"state (transformers {transformers.__version__}'s paged cache groups only full and "
+            "sliding attention layers, and the padded dynamic cache cannot pad a recurrent state)")
+    paged_heads, paged_size = find_num_kv_heads(config), find_head_dim(config)
+    fits = (cache.kv_heads == paged_heads and cache.key_head_size == paged_size
+            and cache.value_head_size == paged_size)
+    version = transformers.__version__
+    paged = (f"transformers {version}'s paged cache stores keys and values in pages of "
+             f"{paged_heads} heads x {paged_size} (config head_dim or hidden_size / heads)")
+    if requested == CONTINUOUS or (requested == "auto" and fits):
+        reason = (f"{paged}, and {name} writes {cache.describe()}" if fits else
+                  f"pinned by --batching continuous, although {paged} and {name} writes "
+                  f"{cache.describe()}")
+        return BatchingChoice(CONTINUOUS, reason)
+    if cache.sliding_window:
+        raise BatchingError(
+            f"{name} uses sliding-window attention, which the padded dynamic cache does not hold; "
+            "serve it with --batching continuous")
+    if requested == DYNAMIC:
+        return BatchingChoice(DYNAMIC, f"pinned by --batching dynamic; {name} writes "
+                                       f"{cache.describe()}")
+    return BatchingChoice(DYNAMIC, f"{paged}, but {name} writes {cache.describe()}")
+
+
+# ------------------------------------------------------------------------------ dynamic batching
+
+
+@attrs.define
+class _Output:
+    """One result of a request, shaped like transformers' ``GenerationOutput`` where the engine
+    reads it."""
+
+    request_id: str
+    generated_tokens: list[int]
+    finished: bool = False
+    error: str | None = None
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+@attrs.define
+class _Request:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset[int]
+    slot: int
+    generated: list[int] = attrs.field(factory=list)
+    length: int = 0  # tokens of this row held in the cache (prompt + generated, minus the last)
+
+
+class CacheBatcher:
+    """Batches requests over one left-padded ``DynamicCache``, on a background thread.
+
+    It answers the calls that :class:`~moe_runtime.serve.engine.Engine` makes of transformers'
+    ``ContinuousBatchingManager`` (``register_result_handler``, ``add_request``,
+    ``cancel_request``, ``start``, ``stop``, ``is_running``, ``fatal_error``), so the engine drives
+    either. Each step it admits waiting requests up to ``max_batch_size`` (their prompts prefilled
+    together, left-padded, then stacked onto the running batch), runs one decode step for every
+    running request, and drops the rows that finished. Sampling is :class:`PerRequestSampler`'s.
+    """
+
+    def __init__(self, model, sampler: PerRequestSampler, *, max_batch_size: int,
+                 pad_token_id: int) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self.fatal_error: BaseException | None = None
+        self._device = next(model.parameters()).device
+        self._incoming: queue.Queue[_Request] = queue.Queue()
+        self._cancelled: set[str] = set()
+        self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # the running batch: its rows, their cache, and the mask of real (non-padding) positions
+        self._rows: list[_Request] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+
+    # --- the manager-like interface (called from the event loop's thread)
+
+    def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        with self._lock:
+            self._handlers[request_id] = (callback, asyncio.get_running_loop())
+
+    def add_request(self, input_ids: Sequence[int], request_id: str, max_new_tokens: int,
+                    streaming: bool = True, eos_token_id: int | Sequence[int] = -1,
+                    **logit_processor_kwargs) -> str | None:
+        if not self.is_running():
+            return None
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self._incoming.put(_Request(request_id, list(input_ids), max(1, int(max_new_tokens)),
+                                    frozenset(eos), logit_processor_kwargs.get(SLOT_KWARG, GREEDY)))
+        return request_id
+
+    def cancel_request(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._handlers.pop(request_id, None)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="moe-runtime-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        self._stop.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def destroy(self) -> None:
+        self._rows, self._cache, self._mask = [], None, None
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    # --- the batching thread
+
+    def _deliver(self, req: _Request, *, finished: bool, error: str | None = None) -> None:
+        with self._lock:
+            entry = self._handlers.get(req.request_id)
+            if finished:
+                self._handlers.pop(req.request_id, None)
+        if entry is not None:
+            callback, loop = entry
+            out = _Output(req.request_id, list(req.generated), finished or error is not None,
+                          error)
+            loop.call_soon_threadsafe(callback, out)
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._drop_cancelled()
+                    new = self._admit()
+                    if not new and not self._rows:
+                        continue
+                    try:
+                        if new:
+                            self._prefill(new)
+                        if self._rows:
+                            self._decode()
+                    except Exception as exc:  # a failed forward fails its requests, not the thread
+                        log.error("generation step failed: %s", exc, exc_info=True)
+                        for req in [*self._rows, *new]:
+                            self._deliver(req, finished=True, error=f"{type(exc).__name__}: {exc}")
+                        self._rows, self._cache, self._mask = [], None, None
+        except BaseException as exc:  # pragma: no cover - the thread itself failed
+            self.fatal_error = exc
+            raise
+
+    def _admit(self) -> list[_Request]:
+        room = self.max_batch_size - len(self._rows)
+        new: list[_Request] = []
+        block = not self._rows
+        while len(new) < room:
+            try:
+                req = self._incoming.get(timeout=0.05) if block and not new else \
+                    self._incoming.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                cancelled = req.request_id in self._cancelled
+                self._cancelled.discard(req.request_id)
+            if not cancelled:
+                new.append(req)
+        return new
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            gone = {r.request_id for r in self._rows} & self._cancelled
+            self._cancelled -= gone
+        if gone:
+            self._keep([i for i, r in enumerate(self._rows) if r.request_id not in gone])
+
+    def _forward(self, input_ids, mask, positions, cache):
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, new: list[_Request]) -> None:
+        from transformers import DynamicCache
+
+        longest = max(len(r.prompt) for r in new)
+        ids = torch.full((len(new), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(new), longest), dtype=torch.long)
+        for i, r in enumerate(new):
+            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, longest - len(r.prompt):] = 1
+            r.length = len(r.prompt)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = (t.to(self._device) for t in (ids, mask, positions))
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        self._join(new, cache, mask)
+        self._step_tokens(new, logits)
+
+    def _join(self, new: list[_Request], cache, mask: torch.Tensor) -> None:
+        """Stack the new rows' cache onto the running batch's, left-padding the shorter one."""
+        if self._cache is None:
+            self._rows, self._cache, self._mask = list(new), cache, mask
+            return
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            for attr in ("keys", "values"):
+                a, b = getattr(old_layer, attr), getattr(new_layer, attr)
+                setattr(old_layer, attr, torch.cat([_left_pad(a, width, -2),
+                                                    _left_pad(b, width, -2)], dim=0))
+        self._mask = torch.cat([_left_pad(self._mask, width, -1), _left_pad(mask, width, -1)])
+        self._rows.extend(new)
+
+    def _decode(self) -> None:
+        last = torch.tensor([[r.generated[-1]] for r in self._rows], device=self._device)
+        positions = torch.tensor([[r.length] for r in self._rows], device=self._device)
+        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self._device)
+        self._mask = torch.cat([self._mask, ones], dim=-1)
+        logits = self._forward(last, self._mask, positions, self._cache)
+        for r in self._rows:
+            r.length += 1
+        self._step_tokens(list(self._rows), logits)
+
+    def _step_tokens(self, rows: list[_Request], logits: torch.Tensor) -> None:
+        """Pick each row's next token, deliver it, and drop the rows that finished."""
+        if self.sampler.on_step is not None:
+            self.sampler.on_step(len(rows))
+        keys = torch.tensor([r.slot for r in rows], dtype=torch.int32)
+        tokens = self.sampler(logits, keys).argmax(dim=-1).tolist()
+        done = set()
+        for r, token in zip(rows, tokens, strict=True):
+            r.generated.append(int(token))
+            finished = token in r.eos or len(r.generated) >= r.max_new_tokens
+            self._deliver(r, finished=finished)
+            if finished:
+                done.add(r.request_id)
+        if done:
+            self._keep([i for i, r in enumerate(self._rows) if r.request_id not in done])
+
+    def _keep(self, indices: list[int]) -> None:
+        """Keep only the rows at ``indices``, and drop the padding columns no row needs."""
+        if len(indices) == len(self._rows):
+            return
+        if not indices:
+            self._rows, self._cache, self._mask = [], None, None
+            return
+        index = torch.tensor(indices, device=self._device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        self._rows = [self._rows[i] for i in indices]
+        lead = int((self._mask.cumsum(-1) == 0).sum(-1).min())
+        if lead:
+            self._mask = self._mask[:, lead:]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., lead:, :]
+                layer.values = layer.values[..., lead:, :]
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
