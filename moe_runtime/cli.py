@@ -143,11 +143,70 @@ def make_plan(args, checkpoint, registry):
                       deployment=dep)
 
 
+def add_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-size", type=int, default=8, metavar="N",
+                   help="sequences served at once, for the memory estimate (default 8, as serve)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="tokens per sequence, for the memory estimate (default: the model's "
+                        "context length)")
+
+
+def _local_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_check(args, path, *, device: str | None):
+    """:func:`check_checkpoint` for the CLI's options; ``device=None``: no memory comparison."""
+    from moe_runtime.checkpoint.check import check_checkpoint
+
+    for name in ("max_batch_size", "max_model_len"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {value}")
+    kwargs = {} if device is not None else {"machine": None}
+    return check_checkpoint(path, device=device or "cpu", batch_size=args.max_batch_size,
+                            context_tokens=args.max_model_len, **kwargs)
+
+
+def print_findings(report, *, file=None) -> None:
+    """Every finding of a failed check, one paragraph each (on stderr by default)."""
+    file = file or sys.stderr
+    print(f"error: {report.path} cannot be used: {len(report.findings)} problem(s) found",
+          file=file)
+    for finding in report.findings:
+        print(f"error: {finding.paragraph}", file=file)
+
+
+def cmd_check(args) -> int:
+    device = None if args.no_memory else (args.device or _local_device())
+    report = run_check(args, args.checkpoint, device=device)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    elif report.ok:
+        print(f"checkpoint {report.path}: ok; {report.summary}")
+    if not report.ok:
+        if not args.json:
+            print_findings(report)
+        return 2
+    return 0
+
+
 def cmd_plan(args) -> int:
     from moe_runtime.checkpoint import CheckpointError, read_checkpoint
     from moe_runtime.model_plan import checkpoint_summary
     from moe_runtime.planner import PlanError
 
+    # A described target is not this machine: its memory is estimated, not compared.
+    report = run_check(args, args.checkpoint,
+                       device=None if args.target_device else _local_device())
+    if not report.ok:
+        if args.json:
+            print(json.dumps({"check": report.to_json(), "error": "the checkpoint check failed",
+                              "rejections": []}, indent=2))
+        print_findings(report)
+        return 2
     registry = load_registry(args)
     try:
         ckpt = read_checkpoint(args.checkpoint)
@@ -164,11 +223,13 @@ def cmd_plan(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json()}, indent=2))
+        print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json(),
+                          "check": report.to_json()}, indent=2))
         return 0
     summary = checkpoint_summary(ckpt)
     print(f"checkpoint {ckpt.path}: {summary['architecture']}, method {summary['method']} "
           f"(reported only), {len(plan.layers)} MoE layers")
+    print(f"check: ok; {report.summary}")
     print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
     rows = [("layer", "format", "communication", "experts", "notes")]
     for lp in plan.layers:
@@ -245,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load no entry-point plugins, only the built-ins")
     parser.add_argument("--strict-plugins", action="store_true",
                         help="fail when a plugin cannot be loaded instead of reporting it")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (default: one paragraph)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list plugins, backends and their declarations")
@@ -256,8 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
                        "a requested backend cannot run a layer.")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     add_plan_arguments(p)
+    add_check_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "check", help="check a checkpoint folder and print every problem found",
+        description="Check a local checkpoint folder without loading it: files and JSON, "
+        "config.json against the quantization config, safetensors headers, every tensor the "
+        "formats require, every scale finite and positive, and the memory serving needs "
+        "against this machine. Prints every finding; exits 2 when there is one.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    add_check_arguments(p)
+    p.add_argument("--device", default=None,
+                   help="whose memory to compare with: cpu, cuda, cuda:1 (default: CUDA when "
+                        "present, else cpu)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="estimate the memory serving needs but compare it with no machine")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_check)
 
     _add_optional_commands(sub)
     return parser
@@ -302,11 +382,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PluginError as exc:
+        if args.debug:
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 3
     except BrokenPipeError:  # `moe-runtime plugins | head`
         sys.stderr.close()
         return 0
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        if args.debug:
+            raise
+        from moe_runtime.checkpoint import CheckpointError
+
+        what = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
+        print(f"error: {what}{exc} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

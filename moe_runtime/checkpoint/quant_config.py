@@ -286,12 +286,13 @@ _SETTINGS = ("quant_algo", "moe_quant_algo", "kv_cache_quant_algo", "group_size"
              "exclude_modules", "quantized_layers", "producer")
 
 
-def read_quantization(folder: Path, config: dict[str, Any]) -> QuantizationSpec:
-    """The merged quantization settings of ``folder`` (config.json already read as ``config``)."""
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    dtype = (config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype")
-             or text_config.get("torch_dtype") or "bfloat16")
+def quantization_sources(folder: Path,
+                         config: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """What each file of ``folder`` states, in merge order: ``(file, settings, is ModelOpt's own)``.
 
+    ``settings`` maps the names of ``_SETTINGS`` to the parsed values (``None``: not stated).
+    """
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     qc = config.get("quantization_config", text_config.get("quantization_config"))
     if qc is not None and not isinstance(qc, dict):
         raise CheckpointError(f"{folder / CONFIG}: quantization_config must be an object")
@@ -315,6 +316,21 @@ def read_quantization(folder: Path, config: dict[str, Any]) -> QuantizationSpec:
         # ModelOpt's own block in config.json comes first; a foreign one only fills gaps.
         position = len(sources) if sources and sources[0][2] else 0
         sources.insert(position, (str(hf_path), from_file, True))
+    return sources
+
+
+def read_quantization(folder: Path, config: dict[str, Any], *,
+                      strict: bool = True) -> QuantizationSpec:
+    """The merged quantization settings of ``folder`` (config.json already read as ``config``).
+
+    ``strict=False`` lets the first source win a disagreement instead of raising (the checkpoint
+    check reports disagreements itself and goes on to check the tensors).
+    """
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    dtype = (config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype")
+             or text_config.get("torch_dtype") or "bfloat16")
+    sources = quantization_sources(folder, config)
+    cfg_file = str(folder / CONFIG)
 
     merged: dict[str, Any] = {}
     files: dict[str, str] = {"dtype": cfg_file}
@@ -325,7 +341,7 @@ def read_quantization(folder: Path, config: dict[str, Any]) -> QuantizationSpec:
                 continue
             if name not in merged:
                 merged[name], files[name] = value, file
-            elif name in _CONFLICT_CHECKED and value != merged[name]:
+            elif strict and name in _CONFLICT_CHECKED and value != merged[name]:
                 raise CheckpointError(
                     f"{files[name]} and {file} disagree on {name}: "
                     f"{merged[name]!r} vs {value!r}; a checkpoint must state one"

@@ -145,6 +145,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.checkpoint.check import require_sound_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.layer import build_executor
     from moe_runtime.manager import Registry
@@ -154,6 +155,7 @@ def load_model(
     from moe_runtime.reference_math import dequantize_expert_weights
 
     model_dir = Path(model_dir)
+    require_sound_checkpoint(model_dir, device=device)  # every finding, before any allocation
     ckpt = read_checkpoint(model_dir)
     if dtype is None:
         dtype = _DTYPES.get(str(ckpt.dtype or "bfloat16").replace("torch.", ""), torch.bfloat16)

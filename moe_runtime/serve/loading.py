@@ -65,12 +65,15 @@ def load_for_serving(
         raise LoadError("transformers' own experts take no moe-runtime backend pins")
 
     from moe_runtime.checkpoint import CheckpointError
+    from moe_runtime.checkpoint.check import require_sound_checkpoint
     from moe_runtime.planner import Deployment, PlanError
     from moe_runtime.tensors import WeightError
 
     deployment = Deployment(experts_backend=moe_runner_backend, comm_backend=moe_a2a_backend)
     try:
         _require_served_architecture(path)
+        # Check the folder, then plan (no transformers import, no weights): in seconds.
+        require_sound_checkpoint(path, device=device)
         # Plan first (no transformers import, no weights): a refused pin fails in a second.
         if not transformers_experts:
             _plan_only(path, device, deployment)

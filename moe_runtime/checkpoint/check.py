@@ -1,0 +1,914 @@
+"""``check_checkpoint(path)``: what a checkpoint folder must satisfy, checked before anything is
+allocated, with every finding reported at once.
+
+The rules, in the order they run (a rule is skipped when what it reads failed before it):
+
+1. the folder exists and holds files, and every file in it can be read;
+2. every top-level ``*.json`` file is a JSON object, and config.json exists;
+3. config.json names a supported architecture whose MoE fields read, and its routing can be done:
+   ``num_experts_per_tok`` at most the experts; with grouped top-k, ``n_group`` divides the
+   experts, ``topk_group`` is at most ``n_group`` and the kept groups hold the top-k experts;
+4. the quantization config reads; config.json and hf_quant_config.json agree on every setting
+   both state; every group size stated is its format's block size;
+5. every safetensors header is well formed: known dtypes, each tensor's bytes inside its file and
+   exactly ``dtype size x shape`` long; the index's shards exist and hold the tensors it maps;
+6. the tensors match the configs: every module the quantization config names exists; every MoE
+   layer's experts ``0..E-1`` store each projection as its format defines (:data:`LAYOUTS`:
+   dtypes, shapes, scales, an input scale exactly when activations are quantized), no expert lies
+   beyond ``E``, the router is ``[E, hidden]``; embeddings are ``[vocab_size, hidden_size]``;
+   every other linear is stored in its resolved format's dtype with that format's scales;
+7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
+   the weights), timed;
+8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine.
+
+:func:`require_sound_checkpoint` runs the check and raises :class:`CheckpointRefused`; a clean
+result is remembered per folder state, so the loaders that call it one after the other pay once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from moe_runtime import formats
+from moe_runtime.checkpoint.architectures import Architecture, MoEStructure, architecture_of
+from moe_runtime.checkpoint.memory import (
+    MachineMemory,
+    MemoryEstimate,
+    estimate_memory,
+    human,
+    memory_problem,
+)
+from moe_runtime.checkpoint.quant_config import (
+    ALGO_FORMATS,
+    CONFIG,
+    QuantizationSpec,
+    quantization_sources,
+    read_quantization,
+)
+from moe_runtime.checkpoint.records import CheckpointError, MoELayerInfo
+from moe_runtime.checkpoint.resolution import canonical_name, resolve_module
+from moe_runtime.checkpoint.tensor_index import _MAX_HEADER, INDEX_FILE, TensorMeta
+
+# What each rule is about (a closed set: tests and --json readers key on it).
+RULES = ("folder", "json", "config", "routing", "quantization", "agreement", "group_size",
+         "safetensors", "index", "modules", "tensors", "scales", "memory")
+
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "I64": 8, "U64": 8, "F64": 8}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
+_SCALE_LEAF = re.compile(r"(?:^|_)scale(?:_\d+)?$")
+_LISTED = 3  # tensors named in one finding before "and N more"
+
+
+@attrs.frozen
+class TensorLayout:
+    """How one weight format stores a linear ``[out, in]`` (safetensors dtype codes).
+
+    :param weight_dtypes: dtypes ``weight`` may have.
+    :param pack: weight elements per stored element along ``in`` (E2M1: two per byte).
+    :param block: elements per block scale along ``in`` (NVFP4: 16), ``None``: no block scale.
+    :param block_scale_dtype: the block scale ``weight_scale [out, in/block]``'s dtype.
+    :param scalars: per-tensor float32 scales the weight needs (``weight_scale``...).
+    :param input_scale: activations are quantized: ``input_scale`` is required (True) or
+        must be absent (False); ``None``: not a quantized format.
+    """
+
+    weight_dtypes: tuple[str, ...]
+    pack: int = 1
+    block: int | None = None
+    block_scale_dtype: str | None = None
+    scalars: tuple[str, ...] = ()
+    input_scale: bool | None = None
+
+    def expected(self, module: str, out: int, inp: int) -> list[tuple[str, tuple, Any]]:
+        """``(tensor, dtypes, shape)`` of a module; shape ``"scalar"`` = one element, ``None`` =
+        must be absent."""
+        rows = [(f"{module}.weight", self.weight_dtypes, (out, inp // self.pack))]
+        if self.block:
+            rows.append((f"{module}.weight_scale", (self.block_scale_dtype,),
+                         (out, inp // self.block)))
+        rows += [(f"{module}.{s}", ("F32",), "scalar") for s in self.scalars]
+        if self.input_scale is not None:
+            rows.append((f"{module}.input_scale", ("F32",),
+                         "scalar" if self.input_scale else None))
+        return rows
+
+
+_UNQUANTIZED = TensorLayout(("BF16", "F16", "F32"))
+_NVFP4 = dict(weight_dtypes=("U8",), pack=2, block=16, block_scale_dtype="F8_E4M3",
+              scalars=("weight_scale_2",))
+LAYOUTS: dict[str, TensorLayout] = {
+    formats.BF16: _UNQUANTIZED,
+    formats.FP16: _UNQUANTIZED,
+    formats.FP8_W8A8: TensorLayout(("F8_E4M3",), scalars=("weight_scale",), input_scale=True),
+    formats.NVFP4_W4A4: TensorLayout(**_NVFP4, input_scale=True),
+    formats.NVFP4_W4A16: TensorLayout(**_NVFP4, input_scale=False),
+}
+
+
+@attrs.frozen
+class Finding:
+    """One thing wrong with a checkpoint: what, where (file, tensor or layer), what is accepted."""
+
+    rule: str
+    where: str
+    problem: str
+    accepted: str = ""
+
+    @property
+    def paragraph(self) -> str:
+        text = f"{self.where}: {self.problem}" if self.where else self.problem
+        return f"{text}; accepted: {self.accepted}" if self.accepted else text
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "where": self.where, "problem": self.problem,
+                "accepted": self.accepted, "message": self.paragraph}
+
+
+@attrs.frozen
+class CheckReport:
+    """The findings of one check, and what it measured."""
+
+    path: Path
+    findings: tuple[Finding, ...] = attrs.field(converter=tuple)
+    tensors: int = 0
+    scale_tensors: int = 0
+    scale_bytes: int = 0
+    scale_seconds: float = 0.0
+    memory: MemoryEstimate | None = None
+    machine: MachineMemory | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def rules(self) -> set[str]:
+        return {f.rule for f in self.findings}
+
+    @property
+    def summary(self) -> str:
+        """One line for people about a check that passed (or how many findings it had)."""
+        if self.findings:
+            return f"{len(self.findings)} problem(s) found in {self.path}"
+        memory = ""
+        if self.memory is not None:
+            memory = f"; serving needs about {human(self.memory.total)}"
+            if self.machine is not None:
+                memory += f" ({self.machine.described})"
+        return (f"checked {self.tensors} tensors in {self.seconds:.2f} s: {self.scale_tensors} "
+                f"scale tensors ({human(self.scale_bytes)}) finite and positive, scanned in "
+                f"{self.scale_seconds * 1000:.0f} ms{memory}")
+
+    def to_json(self) -> dict:
+        return {
+            "path": str(self.path), "ok": self.ok,
+            "findings": [f.to_json() for f in self.findings],
+            "tensors": self.tensors, "scale_tensors": self.scale_tensors,
+            "scale_bytes": self.scale_bytes, "scale_scan_seconds": round(self.scale_seconds, 4),
+            "seconds": round(self.seconds, 4),
+            "memory": self.memory.to_json() if self.memory else None,
+            "machine": attrs.asdict(self.machine) if self.machine else None,
+        }
+
+
+class CheckpointRefused(CheckpointError):
+    """A checkpoint failed :func:`check_checkpoint`; the message has one paragraph per finding."""
+
+    def __init__(self, report: CheckReport) -> None:
+        self.report = report
+        super().__init__("\n".join(f.paragraph for f in report.findings))
+
+
+# ---------------------------------------------------------------------------------- the check
+
+_PROBE = "probe"
+
+
+def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _PROBE,
+                     batch_size: int = 1, context_tokens: int | None = None) -> CheckReport:
+    """Check the checkpoint folder ``path``; never raises for what is wrong with the folder.
+
+    :param device: where the model would be loaded (``"cpu"``, ``"cuda:0"``): whose memory the
+        estimate is compared with.
+    :param machine: a :class:`MachineMemory` to compare with, ``None`` for no comparison
+        (the estimate is still made), or the default: probe ``device`` once.
+    :param batch_size: sequences the server holds at once; ``context_tokens``: tokens per
+        sequence (default: the config's ``max_position_embeddings``).
+    """
+    start = time.perf_counter()
+    c = _Check(Path(path))
+    c.run(batch_size=batch_size, context_tokens=context_tokens)
+    if machine == _PROBE:
+        machine = MachineMemory.probe(device) if c.estimate is not None else None
+    if c.estimate is not None and machine is not None:
+        problem = memory_problem(c.estimate, machine)
+        if problem:
+            c.add("memory", str(c.folder), problem,
+                  "a machine with that much memory, a smaller --max-batch-size or "
+                  "--max-model-len, or a checkpoint whose config declares smaller sizes")
+    return CheckReport(c.folder, c.findings, len(c.tensors), c.scale_count, c.scale_bytes,
+                       c.scale_seconds, c.estimate, machine, time.perf_counter() - start)
+
+
+_CLEAN: dict[tuple, CheckReport] = {}
+
+
+def _folder_state(folder: Path) -> tuple:
+    try:
+        return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                            for p in folder.iterdir() if p.is_file()))
+    except OSError:
+        return ()
+
+
+def require_sound_checkpoint(path: str | Path, *, device: str = "cpu", batch_size: int = 1,
+                             context_tokens: int | None = None) -> CheckReport:
+    """:func:`check_checkpoint`, raising :class:`CheckpointRefused` when anything was found.
+
+    A folder that passed is not checked again while its files stay as they were.
+    """
+    folder = Path(path).resolve() if Path(path).exists() else Path(path)
+    key = (str(folder), device, batch_size, context_tokens, _folder_state(folder))
+    report = _CLEAN.get(key)
+    if report is None:
+        report = check_checkpoint(path, device=device, batch_size=batch_size,
+                                  context_tokens=context_tokens)
+        if not report.ok:
+            raise CheckpointRefused(report)
+        if len(_CLEAN) > 16:
+            _CLEAN.clear()
+        _CLEAN[key] = report
+    return report
+
+
+class _Check:
+    """The state of one check: the findings so far and what the earlier rules read."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.findings: list[Finding] = []
+        self.config: dict | None = None
+        self.tensors: dict[str, TensorMeta] = {}
+        self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
+        self.scale_count = self.scale_bytes = 0
+        self.scale_seconds = 0.0
+        self.estimate: MemoryEstimate | None = None
+
+    def add(self, rule: str, where: str, problem: str, accepted: str = "") -> None:
+        self.findings.append(Finding(rule, where, problem, accepted))
+
+    def add_error(self, rule: str, exc: CheckpointError) -> None:
+        self.findings.append(Finding(rule, "", str(exc)))
+
+    def run(self, *, batch_size: int, context_tokens: int | None) -> None:
+        if not self.check_folder():
+            return
+        self.check_json()
+        structure = self.check_config()
+        spec = self.check_quantization()
+        tensors_ok = self.check_safetensors()
+        layers: list[MoELayerInfo] = []
+        if structure is not None and spec is not None:
+            layers = self.check_tensors(*structure, spec, tensors_ok)
+        if tensors_ok:
+            self.check_scales()
+        if self.config is not None and structure is not None and (
+                spec is not None or not layers):
+            self.estimate = estimate_memory(
+                self.config, layers or [], batch_size=batch_size, context_tokens=context_tokens,
+                kv_cache_quant_algo=spec.kv_cache_quant_algo if spec else None)
+
+    # ------------------------------------------------------------------ 1. folder and files
+
+    def check_folder(self) -> bool:
+        folder = self.folder
+        if not folder.exists():
+            self.add("folder", str(folder), "no such directory",
+                     "a checkpoint folder holding config.json and *.safetensors files")
+            return False
+        if not folder.is_dir():
+            self.add("folder", str(folder), "is a file, not a checkpoint folder",
+                     "a folder holding config.json and *.safetensors files")
+            return False
+        try:
+            entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+        except OSError as exc:
+            self.add("folder", str(folder), f"cannot be listed ({exc.strerror})")
+            return False
+        if not entries:
+            self.add("folder", str(folder), "the folder is empty",
+                     "a checkpoint folder holding config.json and *.safetensors files")
+            return False
+        for p in entries:
+            if p.is_dir():
+                if p.suffix in (".json", ".safetensors"):
+                    self.add("folder", str(p), "is a directory, not a file",
+                             f"a {p.suffix[1:]} file of that name, or none")
+                continue
+            try:
+                with p.open("rb") as fh:
+                    fh.read(1)
+            except OSError as exc:
+                why = exc.strerror or type(exc).__name__
+                if p.is_symlink() and not p.exists():
+                    why = f"a link to {p.readlink()}, which does not exist"
+                self.add("folder", str(p), f"cannot be read ({why})",
+                         "a readable file, or no file of that name")
+        if not (folder / CONFIG).exists():
+            self.add("folder", str(folder), "has no config.json",
+                     "a Hugging Face checkpoint folder (config.json beside the weights)")
+        return True
+
+    # ------------------------------------------------------------------------ 2. JSON files
+
+    def check_json(self) -> None:
+        for p in sorted(self.folder.glob("*.json")):
+            try:
+                text = p.read_text()
+            except (OSError, UnicodeDecodeError):
+                continue  # reported by check_folder (or a non-UTF-8 file: reported below)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                self.add("json", str(p),
+                         f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+                         + (" (the file looks truncated)"
+                            if not text.rstrip().endswith(("}", "]")) else ""),
+                         "a complete JSON object")
+                continue
+            except RecursionError:
+                self.add("json", str(p), "JSON nested too deeply to read", "a JSON object")
+                continue
+            if not isinstance(data, dict):
+                self.add("json", str(p), f"holds a JSON {type(data).__name__}, not an object",
+                         "a JSON object")
+                continue
+            if p.name == CONFIG:
+                self.config = data
+
+    # ------------------------------------------------------------------ 3. config and routing
+
+    def check_config(self) -> tuple[Architecture, list[MoEStructure]] | None:
+        if self.config is None:
+            return None
+        file = str(self.folder / CONFIG)
+        try:
+            arch = architecture_of(self.config, file)
+            structures = arch.structure(self.config, file)
+        except CheckpointError as exc:
+            self.add_error("config", exc)
+            return None
+        if not structures:
+            self.add("config", file, "declares no MoE layer",
+                     "a MoE model (at least one layer with routed experts)")
+        fields = self._model_fields()
+        experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                            if fields.get(k) is not None), "num_experts")
+        for s in structures[:1]:  # every MoE layer of a config shares these fields
+            e, k, r = s.num_experts, s.top_k, s.router
+            if k > e:
+                self.add("routing", file,
+                         f"num_experts_per_tok is {k} but {experts_key} is {e}: a token cannot "
+                         f"be routed to more experts than the layer has",
+                         f"num_experts_per_tok between 1 and {e}")
+            if r.n_group > 1 or r.topk_group > 1:
+                if e % r.n_group:
+                    self.add("routing", file,
+                             f"n_group {r.n_group} does not divide the {e} experts "
+                             f"({experts_key})", f"an n_group that divides {e}")
+                elif r.topk_group > r.n_group:
+                    self.add("routing", file,
+                             f"topk_group {r.topk_group} is larger than n_group {r.n_group}",
+                             f"topk_group between 1 and {r.n_group}")
+                elif k > r.topk_group * (e // r.n_group):
+                    self.add("routing", file,
+                             f"num_experts_per_tok {k} exceeds the {r.topk_group * (e // r.n_group)}"
+                             f" experts in the topk_group={r.topk_group} kept groups of "
+                             f"{e // r.n_group}", "topk_group x experts per group >= "
+                             "num_experts_per_tok")
+        return arch, structures
+
+    def _model_fields(self) -> dict:
+        c = self.config or {}
+        return c["text_config"] if isinstance(c.get("text_config"), dict) else c
+
+    # ------------------------------------------------------------------- 4. quantization
+
+    def check_quantization(self) -> QuantizationSpec | None:
+        if self.config is None:
+            return None
+        try:
+            sources = quantization_sources(self.folder, self.config)
+        except CheckpointError as exc:
+            if not self._json_reported(exc):
+                self.add_error("quantization", exc)
+            return None
+        self._agreement(sources)
+        self._group_sizes(sources)
+        try:  # disagreements are reported above; the tensors are checked against the first
+            return read_quantization(self.folder, self.config, strict=False)
+        except CheckpointError as exc:
+            self.add_error("quantization", exc)
+            return None
+
+    def _json_reported(self, exc: CheckpointError) -> bool:
+        return any(f.rule in ("json", "folder") and str(exc).startswith(f.where)
+                   for f in self.findings if f.where)
+
+    def _agreement(self, sources) -> None:
+        own = [(file, s) for file, s, is_own in sources if is_own]
+        if len(own) < 2:
+            if len(sources) == 2:  # a foreign config.json block: only ModelOpt's keys it has
+                (fa, a, _), (fb, b, _) = sources
+                for key in ("moe_quant_algo", "kv_cache_quant_algo"):
+                    self._compare(fa, fb, key, a.get(key), b.get(key))
+            return
+        (fa, a), (fb, b) = own
+        for key in ("quant_algo", "moe_quant_algo", "kv_cache_quant_algo", "group_size",
+                    "producer"):
+            self._compare(fa, fb, key, a.get(key), b.get(key))
+        ea, eb = a.get("exclude_modules"), b.get("exclude_modules")
+        if ea is not None and eb is not None and set(ea) != set(eb):
+            only_a, only_b = sorted(set(ea) - set(eb)), sorted(set(eb) - set(ea))
+            self.add("agreement", f"{fa} and {fb}",
+                     f"disagree on exclude_modules (config.json calls it 'ignore'): "
+                     f"{_few(only_a)} only in {Path(fa).name}, {_few(only_b)} only in "
+                     f"{Path(fb).name}", "the same list in both files")
+        la, lb = a.get("quantized_layers"), b.get("quantized_layers")
+        if la is None or lb is None:
+            return
+        ma = {canonical_name(e.key): e for e in la}
+        mb = {canonical_name(e.key): e for e in lb}
+        for name in sorted(set(ma) | set(mb)):
+            x, y = ma.get(name), mb.get(name)
+            if x is None or y is None:
+                present, file, other = (x, fa, fb) if y is None else (y, fb, fa)
+                self.add("agreement", f"{fa} and {fb}",
+                         f"quantized_layers[{present.key!r}] is {present.quant_algo!r} in "
+                         f"{Path(file).name} but {Path(other).name} does not list the module "
+                         "(so it would be unquantized)", "the same quantized_layers in both")
+                continue
+            for attr in ("quant_algo", "group_size"):
+                va, vb = getattr(x, attr), getattr(y, attr)
+                if va is not None and vb is not None and va != vb:
+                    self.add("agreement", f"{fa} and {fb}",
+                             f"disagree on quantized_layers[{x.key!r}].{attr}: {va!r} in "
+                             f"{Path(fa).name}, {vb!r} in {Path(fb).name}",
+                             "one value, stated the same in both files")
+
+    def _compare(self, fa: str, fb: str, key: str, va, vb) -> None:
+        if va is not None and vb is not None and va != vb:
+            self.add("agreement", f"{fa} and {fb}",
+                     f"disagree on {key}: {va!r} in {Path(fa).name}, {vb!r} in {Path(fb).name}",
+                     "one value, stated the same in both files")
+
+    def _group_sizes(self, sources) -> None:
+        for file, s, _own in sources:
+            stated = []
+            for key in ("quant_algo", "moe_quant_algo"):
+                if s.get(key) in ALGO_FORMATS and s.get("group_size") is not None:
+                    stated.append((f"group_size (with {key} {s[key]!r})", s[key],
+                                   s["group_size"]))
+            for entry in s.get("quantized_layers") or ():
+                if entry.group_size is not None:
+                    stated.append((f"quantized_layers[{entry.key!r}].group_size",
+                                   entry.quant_algo, entry.group_size))
+            for key, algo, size in stated:
+                layout = LAYOUTS.get(ALGO_FORMATS.get(algo or ""))
+                if layout is not None and layout.block is not None and size != layout.block:
+                    self.add("group_size", file,
+                             f"{key} is {size}, but {ALGO_FORMATS[algo]} block scales cover "
+                             f"exactly {layout.block} elements", f"group_size {layout.block}")
+
+    # --------------------------------------------------------------------- 5. safetensors
+
+    def check_safetensors(self) -> bool:
+        index = self.folder / INDEX_FILE
+        mapped: dict[str, str] | None = None
+        if index.exists():
+            try:
+                data = json.loads(index.read_text())
+            except (OSError, ValueError, RecursionError):
+                return False  # reported by check_json / check_folder
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                self.add("index", str(index), "has no 'weight_map' object of tensor -> file",
+                         '{"weight_map": {"tensor name": "shard file name", ...}}')
+                return False
+            mapped = weight_map
+            files = sorted(set(weight_map.values()))
+            paths = []
+            for name in files:
+                path = self.folder / name
+                if not path.is_file():
+                    n = sum(1 for v in weight_map.values() if v == name)
+                    self.add("index", str(index),
+                             f"maps {n} tensor(s) to {name}, which is missing from the folder",
+                             "an index whose every shard is in the folder")
+                else:
+                    paths.append(path)
+        else:
+            paths = sorted(p for p in self.folder.glob("*.safetensors") if p.is_file())
+        if not paths and mapped is None:
+            self.add("safetensors", str(self.folder), "holds no *.safetensors weight files",
+                     "model.safetensors, or shards listed by model.safetensors.index.json")
+            return False
+        before = len(self.findings)
+        for path in paths:
+            self._read_header(path)
+        if mapped is not None:
+            missing = [(t, f) for t, f in mapped.items()
+                       if (self.folder / f).is_file() and self.tensors.get(t, None) is None]
+            if missing:
+                t, f = missing[0]
+                self.add("index", str(index),
+                         f"maps tensor {t!r} to {f}, which does not hold it"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                         "an index that matches its shards' headers")
+            unlisted = sorted(t for t in self.tensors if t not in mapped)
+            if unlisted:
+                self.add("index", str(index),
+                         f"does not list tensor {unlisted[0]!r} of "
+                         f"{self.tensors[unlisted[0]].file}"
+                         + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""),
+                         "an index that lists every tensor of its shards")
+        return len(self.findings) == before
+
+    def _read_header(self, path: Path) -> None:
+        where = str(path)
+        try:
+            size_on_disk = path.stat().st_size
+            with path.open("rb") as fh:
+                raw = fh.read(8)
+                if len(raw) != 8:
+                    self.add("safetensors", where, f"is {len(raw)} bytes long, too short to be "
+                             "a safetensors file", "a safetensors file (8-byte header length, "
+                             "JSON header, data)")
+                    return
+                (n,) = struct.unpack("<Q", raw)
+                if n > min(_MAX_HEADER, size_on_disk - 8):
+                    self.add("safetensors", where,
+                             f"its header length field says {n} bytes but the file has "
+                             f"{size_on_disk} bytes: the header is corrupt",
+                             "a safetensors file (8-byte little-endian header length, then "
+                             "that many bytes of JSON)")
+                    return
+                header = json.loads(fh.read(n))
+        except OSError:
+            return  # reported by check_folder
+        except (ValueError, RecursionError) as exc:
+            self.add("safetensors", where, f"the header is not valid JSON ({exc})",
+                     "a safetensors header: a JSON object of name -> "
+                     "{dtype, shape, data_offsets}")
+            return
+        if not isinstance(header, dict):
+            self.add("safetensors", where, "the header is not a JSON object",
+                     "a JSON object of tensor name -> {dtype, shape, data_offsets}")
+            return
+        header.pop("__metadata__", None)
+        data_size = size_on_disk - 8 - n
+        bad: list[str] = []
+        for name, meta in header.items():
+            problem = _entry_problem(meta, data_size)
+            if problem:
+                bad.append(f"tensor {name!r} {problem}")
+                continue
+            self.tensors[name] = TensorMeta(meta["dtype"], meta["shape"], path.name)
+            start, end = meta["data_offsets"]
+            self.ranges[name] = (path.name, 8 + n + start, 8 + n + end)
+        if bad:
+            self.add("safetensors", where, bad[0] + _more(len(bad) - 1),
+                     f"header entries {{dtype, shape, data_offsets}} with a known dtype, whose "
+                     f"bytes lie within the file's {data_size} data bytes")
+
+    # ------------------------------------------------------------------------- 6. tensors
+
+    def check_tensors(self, arch: Architecture, structures: list[MoEStructure],
+                      spec: QuantizationSpec, tensors_ok: bool) -> list[MoELayerInfo]:
+        from moe_runtime.checkpoint.reader import _linears, _tensor_prefix
+
+        tensors = self.tensors
+        prefix = _tensor_prefix(arch, structures[0], tensors) if structures else arch.prefix
+        layers: list[MoELayerInfo] = []
+        for s in structures:
+            name = arch.experts_name(prefix, s.index)
+            members = [f"{e}.{p}" for e in range(s.num_experts) for p in arch.expert_names]
+            try:
+                quant = resolve_module(spec, name, members=members, moe=True)
+            except CheckpointError as exc:
+                self.add_error("quantization", exc)
+                continue
+            layers.append(MoELayerInfo(
+                name=name, index=s.index, num_experts=s.num_experts, top_k=s.top_k,
+                hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                activation=s.activation, router=s.router,
+                shared_expert_intermediate_size=s.shared_expert_intermediate_size,
+                expert_names=arch.expert_names, quant=quant))
+        if not tensors_ok and not tensors:
+            return layers
+        self._named_modules_exist(spec)
+        for layer in layers:
+            self._experts(layer)
+        self._embeddings()
+        try:
+            linears = _linears(spec, tensors, layers)
+        except CheckpointError as exc:
+            self.add_error("quantization", exc)
+            linears = []
+        self._linears(linears)
+        return layers
+
+    def _named_modules_exist(self, spec: QuantizationSpec) -> None:
+        modules: set[str] = set()
+        for name in self.tensors:
+            parts = canonical_name(name).split(".")[:-1]
+            for end in range(1, len(parts) + 1):
+                modules.add(".".join(parts[:end]))
+        absent = [e.key for e in spec.quantized_layers if canonical_name(e.key) not in modules]
+        if absent:
+            self.add("modules", spec.file_of("quantized_layers"),
+                     f"quantized_layers names module {absent[0]!r}, which no tensor of the "
+                     f"checkpoint belongs to{_more(len(absent) - 1, 'module')}",
+                     "quantized_layers keys naming modules whose tensors are in the "
+                     "safetensors files")
+
+    def _experts(self, layer: MoELayerInfo) -> None:
+        fmt = layer.quant.format
+        layout = LAYOUTS.get(fmt)
+        h, i = layer.hidden_size, layer.intermediate_size
+        where = f"MoE layer {layer.name} ({fmt}, {layer.quant.source})"
+        if layout is None:
+            self.add("tensors", where, f"no tensor layout is known for format {fmt!r}",
+                     ", ".join(sorted(LAYOUTS)))
+            return
+        for dim, value in (("hidden_size", h), ("intermediate size", i)):
+            unit = layout.block or layout.pack
+            if value % unit:
+                self.add("tensors", where, f"{dim} {value} is not a multiple of {unit}, which "
+                         f"{fmt} stores whole blocks of", f"a multiple of {unit}")
+                return
+        gate, up, down = layer.expert_names
+        problems: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for e in range(layer.num_experts):
+            for proj, out, inp in ((gate, i, h), (up, i, h), (down, h, i)):
+                module = layer.expert_module(e, proj)
+                for tensor, dtypes, shape in layout.expected(module, out, inp):
+                    problem = _tensor_problem(self.tensors.get(tensor), dtypes, shape)
+                    if problem:
+                        problems[problem].append(tensor)
+        for (problem, accepted), names in problems.items():
+            self.add("tensors", where, f"tensor {names[0]!r} {problem}"
+                     + _more(len(names) - 1, "tensor"), accepted)
+        # no expert beyond the config's count, and the router scores exactly the experts
+        pattern = re.compile(rf"^{re.escape(layer.name)}\.(\d+)\.")
+        beyond = sorted({int(m.group(1)) for t in self.tensors if (m := pattern.match(t))
+                         and int(m.group(1)) >= layer.num_experts})
+        if beyond:
+            self.add("tensors", where,
+                     f"the tensors hold expert {beyond[-1]} but the config declares "
+                     f"{layer.num_experts} experts", f"experts 0..{layer.num_experts - 1} only, "
+                     "or a config whose expert count matches the tensors")
+        block = layer.name.rsplit(".experts", 1)[0]
+        router = self.tensors.get(f"{block}.gate.weight")
+        if router is None:
+            self.add("tensors", where, f"the router tensor '{block}.gate.weight' is missing",
+                     f"a router weight [{layer.num_experts}, {h}]")
+        elif tuple(router.shape) != (layer.num_experts, h):
+            self.add("tensors", where, f"the router '{block}.gate.weight' has shape "
+                     f"{list(router.shape)}, but the config declares {layer.num_experts} experts "
+                     f"of hidden size {h}", f"a router weight [{layer.num_experts}, {h}]")
+        if layer.router.has_correction_bias:
+            bias = self.tensors.get(f"{block}.gate.e_score_correction_bias")
+            if bias is None or tuple(bias.shape) != (layer.num_experts,):
+                self.add("tensors", where, f"'{block}.gate.e_score_correction_bias' is "
+                         + ("missing" if bias is None else f"of shape {list(bias.shape)}"),
+                         f"a float bias [{layer.num_experts}] (the router's topk_method "
+                         "'noaux_tc' selects with it)")
+
+    def _embeddings(self) -> None:
+        f = self._model_fields()
+        vocab, hidden = f.get("vocab_size"), f.get("hidden_size")
+        for name, meta in self.tensors.items():
+            if not (name.endswith("embed_tokens.weight") or name == "lm_head.weight"):
+                continue
+            if isinstance(vocab, int) and isinstance(hidden, int) and tuple(meta.shape) != (
+                    vocab, hidden):
+                self.add("tensors", f"{self.folder / meta.file}: tensor {name!r}",
+                         f"has shape {list(meta.shape)}, but config.json declares vocab_size "
+                         f"{vocab} and hidden_size {hidden}", f"[{vocab}, {hidden}]")
+
+    def _linears(self, linears) -> None:
+        problems: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for module, quant in linears:
+            layout = LAYOUTS.get(quant.format)
+            weight = self.tensors.get(f"{module}.weight")
+            if layout is None or weight is None or len(weight.shape) != 2:
+                continue
+            if weight.dtype not in layout.weight_dtypes:
+                problems[(f"is stored as {weight.dtype}, but the quantization config resolves "
+                          f"it to {quant.format} ({quant.source})",
+                          f"{' or '.join(layout.weight_dtypes)}, or a quantization config that "
+                          "lists the module with its stored format")].append(f"{module}.weight")
+                continue
+            out, stored_in = weight.shape
+            for tensor, dtypes, shape in layout.expected(module, out, stored_in * layout.pack):
+                if tensor.endswith((".weight", ".input_scale")):
+                    continue  # the weight was checked; activation scales vary for linears
+                problem = _tensor_problem(self.tensors.get(tensor), dtypes, shape)
+                if problem:
+                    problems[problem].append(tensor)
+        for (problem, accepted), names in problems.items():
+            meta = self.tensors.get(names[0])
+            where = str(self.folder / meta.file) if meta else str(self.folder)
+            self.add("tensors", where, f"tensor {names[0]!r} {problem}"
+                     + _more(len(names) - 1, "tensor"), accepted)
+
+    # -------------------------------------------------------------------------- 7. scales
+
+    def check_scales(self) -> None:
+        """Every scale tensor finite and positive, in one vectorized pass per file and dtype."""
+        import numpy as np
+
+        start = time.perf_counter()
+        by_file: dict[str, list[str]] = defaultdict(list)
+        wrong_dtype = []
+        for name, meta in self.tensors.items():
+            if _SCALE_LEAF.search(name.rsplit(".", 1)[-1]):
+                if meta.dtype not in _POSITIVE:
+                    wrong_dtype.append(name)
+                else:
+                    by_file[meta.file].append(name)
+        if wrong_dtype:
+            meta = self.tensors[wrong_dtype[0]]
+            self.add("scales", str(self.folder / meta.file),
+                     f"scale tensor {wrong_dtype[0]!r} is {meta.dtype}"
+                     + _more(len(wrong_dtype) - 1, "tensor"), "float32 or float8_e4m3fn scales")
+        bad: dict[str, list[str]] = defaultdict(list)
+        for file, names in by_file.items():
+            try:
+                mm = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
+            except (OSError, ValueError):
+                continue
+            groups: dict[str, list[str]] = defaultdict(list)
+            for name in names:
+                groups[self.tensors[name].dtype].append(name)
+            for dtype, group in groups.items():
+                chunks = [mm[self.ranges[n][1]:self.ranges[n][2]] for n in group]
+                raw = np.concatenate(chunks) if chunks else np.empty(0, np.uint8)
+                self.scale_count += len(group)
+                self.scale_bytes += raw.size
+                ok = _POSITIVE[dtype](np, raw)
+                if ok.all():
+                    continue
+                sizes = np.cumsum([c.size // DTYPE_SIZES[dtype] for c in chunks])
+                for j in np.unique(np.searchsorted(sizes, np.flatnonzero(~ok), side="right")):
+                    name = group[int(j)]
+                    lo = int(sizes[j - 1]) if j else 0
+                    bad[_scale_kind(np, dtype, raw, lo, int(sizes[j]))].append(name)
+            del mm
+        self.scale_seconds = time.perf_counter() - start
+        for kind, names in bad.items():
+            meta = self.tensors[names[0]]
+            self.add("scales", str(self.folder / meta.file),
+                     f"scale tensor {names[0]!r} holds {kind}" + _more(len(names) - 1, "tensor"),
+                     "finite, positive scales (a scale multiplies every weight or activation it "
+                     "covers: NaN, infinite, zero or negative ones give wrong outputs)")
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _more(n: int, what: str = "") -> str:
+    if n <= 0:
+        return ""
+    return f" (and {n} more {what + ('s' if n > 1 else '')} like it)" if what else (
+        f" (and {n} more)")
+
+
+def _few(items: list[str]) -> str:
+    if not items:
+        return "nothing"
+    shown = ", ".join(repr(x) for x in items[:_LISTED])
+    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+
+
+def _entry_problem(meta: Any, data_size: int) -> str | None:
+    """Why one safetensors header entry is malformed, or ``None``."""
+    if not isinstance(meta, dict):
+        return "is not an object"
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        return f"has unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        return f"has data_offsets {offsets!r}, not [start, end]"
+    start, end = offsets
+    if not 0 <= start <= end <= data_size:
+        return (f"has data_offsets [{start}, {end}] outside the file's {data_size} data bytes "
+                "(a truncated file?)")
+    need = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - start != need:
+        return f"is {dtype} {shape} ({need} bytes) but data_offsets span {end - start} bytes"
+    return None
+
+
+def _tensor_problem(meta: TensorMeta | None, dtypes: tuple, shape) -> tuple[str, str] | None:
+    """``(problem, accepted)`` for one expected tensor, or ``None``."""
+    if shape is None:
+        if meta is not None:
+            return ("is present, but the format quantizes no activations (no input scale)",
+                    "no input_scale tensors, or a quantization config naming a format with "
+                    "activation scales")
+        return None
+    want = "a scalar" if shape == "scalar" else str(list(shape))
+    if meta is None:
+        return "is missing", f"{' or '.join(dtypes)} {want}"
+    if meta.dtype not in dtypes:
+        return (f"is {meta.dtype}, but the format stores {' or '.join(dtypes)}",
+                f"{' or '.join(dtypes)} {want}")
+    if shape == "scalar":
+        if math.prod(meta.shape) != 1:
+            return f"has shape {list(meta.shape)}, not one element", f"{meta.dtype} scalar"
+    elif tuple(meta.shape) != tuple(shape):
+        return f"has shape {list(meta.shape)}", f"{meta.dtype} {want}"
+    return None
+
+
+def _f32_ok(np, raw):
+    v = raw.view("<f4")
+    return np.isfinite(v) & (v > 0)
+
+
+def _f16_ok(np, raw):
+    v = raw.view("<f2")
+    return np.isfinite(v) & (v > 0)
+
+
+def _f64_ok(np, raw):
+    v = raw.view("<f8")
+    return np.isfinite(v) & (v > 0)
+
+
+def _bf16_ok(np, raw):
+    v = (raw.view("<u2").astype(np.uint32) << 16).view("<f4")
+    return np.isfinite(v) & (v > 0)
+
+
+def _e4m3_ok(np, raw):
+    # float8_e4m3fn: sign bit clear, not zero (0x00), not NaN (0x7f); no infinities.
+    return (raw >= 0x01) & (raw <= 0x7E)
+
+
+def _e5m2_ok(np, raw):
+    return (raw >= 0x01) & (raw <= 0x7B)  # 0x7c is +inf, above it NaN
+
+
+_POSITIVE = {"F32": _f32_ok, "F16": _f16_ok, "F64": _f64_ok, "BF16": _bf16_ok,
+             "F8_E4M3": _e4m3_ok, "F8_E5M2": _e5m2_ok}
+
+
+def _values(np, dtype: str, raw, lo: int, hi: int):
+    size = DTYPE_SIZES[dtype]
+    part = raw[lo * size:hi * size]
+    if dtype == "F8_E4M3":
+        sign = np.where(part & 0x80, -1.0, 1.0)
+        nan = (part & 0x7F) == 0x7F
+        zero = (part & 0x7F) == 0
+        return np.where(nan, np.nan, np.where(zero, 0.0, sign))
+    if dtype == "F8_E5M2":
+        v = (part.astype(np.uint16) << 8).view("<f2")
+        return v.astype(np.float32)
+    if dtype == "BF16":
+        return (part.view("<u2").astype(np.uint32) << 16).view("<f4")
+    return part.view({"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype])
+
+
+def _scale_kind(np, dtype: str, raw, lo: int, hi: int) -> str:
+    """What is wrong with the scale values ``raw[lo:hi]`` (elements): NaN, inf, zero, negative."""
+    v = _values(np, dtype, raw, lo, hi)
+    kinds = []
+    if np.isnan(v).any():
+        kinds.append("NaN")
+    if np.isinf(v).any():
+        kinds.append("infinite values")
+    if (v == 0).any():
+        kinds.append("zeros")
+    if (v < 0).any():
+        kinds.append("negative values")
+    return " and ".join(kinds) or "values that are not finite and positive"
+

@@ -1,0 +1,503 @@
+"""Damaged copies of real ModelOpt exports are refused by ``check``, ``plan``, ``load_model`` and
+``serve`` with a paragraph naming the problem, and no traceback; undamaged exports still plan.
+
+Every variant starts from a tiny export ModelOpt made on CPU (the session's ``tiny`` fixture),
+copied into the test's folder and damaged there. ``DAMAGES`` lists the damage; the fuzz tests at
+the end damage at random, since the check validates what a checkpoint must satisfy rather than a
+list of known breakages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_runtime import cli
+from moe_runtime.checkpoint.check import CheckpointRefused, check_checkpoint
+from moe_runtime.checkpoint.memory import MachineMemory
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+EXPERT = "model.layers.1.mlp.experts.3"  # an expert of the qwen3 exports (8 experts, H 64, I 32)
+
+
+# ------------------------------------------------------------------------------ the generator
+
+
+@attrs.frozen
+class Damage:
+    """One damaged variant: the export it starts from, what is done to it, what must be said.
+
+    :param rule: the check rule that must report it (:data:`moe_runtime.checkpoint.check.RULES`).
+    :param needles: texts that one finding's paragraph must all contain.
+    """
+
+    id: str
+    base: str
+    apply: Callable[[Path], None]
+    rule: str
+    needles: tuple[str, ...] = attrs.field(converter=tuple)
+
+
+def edit_json(name: str, change: Callable[[dict], None]):
+    def apply(folder: Path) -> None:
+        path = folder / name
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data, indent=2))
+    return apply
+
+
+def both_quant_configs(change: Callable[[dict], None]):
+    """Make the same change to hf_quant_config.json's and config.json's quantization block."""
+    def apply(folder: Path) -> None:
+        edit_json("hf_quant_config.json", lambda d: change(d["quantization"]))(folder)
+        edit_json("config.json", lambda d: change(d["quantization_config"]))(folder)
+    return apply
+
+
+def write_text(name: str, text: str):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def truncate(name: str, keep: float = 0.5):
+    def apply(folder: Path) -> None:
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: int(len(data) * keep)])
+    return apply
+
+
+def edit_tensors(change: Callable[[dict[str, torch.Tensor]], None]):
+    def apply(folder: Path) -> None:
+        tensors = load_file(folder / WEIGHTS)
+        change(tensors)
+        save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
+    return apply
+
+
+def set_scalar(name: str, value: float):
+    return edit_tensors(lambda t: t.__setitem__(name, torch.tensor(value, dtype=torch.float32)))
+
+
+def set_block_scale_byte(name: str, byte: int):
+    def change(t):
+        raw = t[name].view(torch.uint8).clone()
+        raw[0, 0] = byte
+        t[name] = raw.view(torch.float8_e4m3fn)
+    return edit_tensors(change)
+
+
+def delete_tensors(*names: str, prefix: str | None = None):
+    def change(t):
+        for n in [k for k in t if prefix and k.startswith(prefix)] + list(names):
+            del t[n]
+    return edit_tensors(change)
+
+
+def edit_header(change: Callable[[dict], None]):
+    """Rewrite the safetensors header of model.safetensors (the data bytes stay as they are)."""
+    def apply(folder: Path) -> None:
+        raw = (folder / WEIGHTS).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        change(header)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        (folder / WEIGHTS).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return apply
+
+
+def edit_bytes(change: Callable[[bytearray], bytes | bytearray]):
+    def apply(folder: Path) -> None:
+        (folder / WEIGHTS).write_bytes(bytes(change(bytearray((folder / WEIGHTS).read_bytes()))))
+    return apply
+
+
+def write_index(extra: dict[str, str] | None = None, moved: str | None = None):
+    """A model.safetensors.index.json for the single file, with extra or moved entries."""
+    def apply(folder: Path) -> None:
+        raw = (folder / WEIGHTS).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        names = [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+        weight_map = {k: WEIGHTS for k in names}
+        if moved:
+            weight_map[moved] = "model-00002-of-00002.safetensors"
+        weight_map.update(extra or {})
+        (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return apply
+
+
+def set_config(**fields):
+    return edit_json("config.json", lambda d: d.update(fields))
+
+
+def set_experts(count: int):
+    def change(d):
+        key = next(k for k in ("num_experts", "num_local_experts") if k in d)
+        d[key] = count
+    return edit_json("config.json", change)
+
+
+def empty(folder: Path) -> None:
+    for p in folder.iterdir():
+        p.unlink()
+
+
+def dangling_weights(folder: Path) -> None:
+    (folder / WEIGHTS).unlink()
+    (folder / WEIGHTS).symlink_to(folder / "gone" / WEIGHTS)
+
+
+def directory_for(name: str):
+    def apply(folder: Path) -> None:
+        (folder / name).unlink()
+        (folder / name).mkdir()
+    return apply
+
+
+def layer_entry(key: str, **entry):
+    return both_quant_configs(lambda q: q["quantized_layers"].__setitem__(key, entry))
+
+
+def drop_layer_entry(key: str):
+    return both_quant_configs(lambda q: q["quantized_layers"].pop(key))
+
+
+DAMAGES = [
+    # files and JSON
+    Damage("config_truncated", "qwen3_nvfp4", truncate("config.json"), "json",
+           ["config.json", "invalid JSON", "truncated"]),
+    Damage("config_not_an_object", "qwen3_fp8", write_text("config.json", "[1, 2]"), "json",
+           ["config.json", "JSON list, not an object"]),
+    Damage("hf_quant_config_truncated", "qwen3_mixed", truncate("hf_quant_config.json", 0.3),
+           "json", ["hf_quant_config.json", "invalid JSON"]),
+    Damage("hf_quant_config_not_an_object", "qwen3_nvfp4",
+           write_text("hf_quant_config.json", '"NVFP4"'), "json",
+           ["hf_quant_config.json", "JSON str, not an object"]),
+    Damage("empty_folder", "qwen3_nvfp4", empty, "folder", ["the folder is empty"]),
+    Damage("no_config_json", "qwen3_fp8", lambda f: (f / "config.json").unlink(), "folder",
+           ["has no config.json"]),
+    Damage("unreadable_weights", "qwen3_nvfp4", dangling_weights, "folder",
+           [WEIGHTS, "cannot be read", "does not exist"]),
+    Damage("quant_config_is_a_directory", "qwen3_fp8", directory_for("hf_quant_config.json"),
+           "folder", ["hf_quant_config.json", "is a directory"]),
+    Damage("index_not_an_object", "qwen3_fp8", write_text(INDEX, "[]"), "json",
+           [INDEX, "not an object"]),
+    # the quantization config
+    Damage("unknown_algorithm", "qwen3_nvfp4",
+           both_quant_configs(lambda q: q.update(quant_algo="NVFP5")), "quantization",
+           ["'NVFP5'", "accepted", "'NVFP4'"]),
+    Damage("algorithms_disagree", "qwen3_nvfp4",
+           edit_json("config.json", lambda d: d["quantization_config"].update(quant_algo="FP8")),
+           "agreement", ["config.json", "hf_quant_config.json", "quant_algo", "'FP8'", "'NVFP4'"]),
+    Damage("layer_algorithms_disagree", "qwen3_mixed",
+           edit_json("hf_quant_config.json", lambda d: d["quantization"]["quantized_layers"][
+               "model.layers.1.mlp.experts"].update(quant_algo="NVFP4", group_size=16)),
+           "agreement", ["config.json", "hf_quant_config.json",
+                         "quantized_layers['model.layers.1.mlp.experts'].quant_algo",
+                         "'FP8'", "'NVFP4'"]),
+    Damage("group_size_32_only_in_hf_quant_config", "qwen3_nvfp4",
+           edit_json("hf_quant_config.json", lambda d: d["quantization"].update(group_size=32)),
+           "group_size", ["hf_quant_config.json", "group_size", "32", "exactly 16"]),
+    Damage("group_size_32_in_a_layer_entry", "qwen3_mixed",
+           layer_entry("model.layers.0.mlp.experts", quant_algo="NVFP4", group_size=32),
+           "group_size", ["quantized_layers['model.layers.0.mlp.experts'].group_size", "32"]),
+    Damage("quantized_layers_names_an_absent_module", "qwen3_mixed",
+           layer_entry("model.layers.0.mlp.shared_expert.gate_proj", quant_algo="FP8"),
+           "modules", ["model.layers.0.mlp.shared_expert.gate_proj", "no tensor"]),
+    Damage("quantized_layers_leaves_out_a_quantized_module", "qwen3_mixed",
+           drop_layer_entry("model.layers.0.self_attn.q_proj"), "tensors",
+           ["model.layers.0.self_attn.q_proj.weight", "F8_E4M3", "bf16"]),
+    Damage("quantized_layers_in_one_file_only", "qwen3_mixed",
+           edit_json("config.json", lambda d: d["quantization_config"]["quantized_layers"].pop(
+               "model.layers.2.self_attn.o_proj")),
+           "agreement", ["model.layers.2.self_attn.o_proj", "does not list"]),
+    Damage("exclude_modules_disagree", "qwen3_fp8",
+           edit_json("config.json", lambda d: d["quantization_config"].update(ignore=["lm_head"])),
+           "agreement", ["exclude_modules", "model.embed_tokens"]),
+    # routing and counts
+    Damage("top_k_above_the_experts", "qwen3_nvfp4", set_config(num_experts_per_tok=9),
+           "routing", ["num_experts_per_tok is 9", "8"]),
+    Damage("n_group_does_not_divide_the_experts", "deepseek_fp8", set_config(n_group=3),
+           "routing", ["n_group 3", "8 experts"]),
+    Damage("top_k_above_the_kept_groups", "deepseek_fp8", set_config(num_experts_per_tok=6),
+           "routing", ["num_experts_per_tok 6", "topk_group"]),
+    Damage("config_declares_more_experts_than_stored", "qwen3_nvfp4", set_experts(16),
+           "tensors", ["experts.8.", "is missing"]),
+    Damage("config_declares_fewer_experts_than_stored", "qwen3_fp8", set_experts(4),
+           "tensors", ["hold expert 7", "declares 4 experts"]),
+    Damage("router_shape_disagrees", "qwen3_fp8",
+           edit_tensors(lambda t: t.__setitem__("model.layers.0.mlp.gate.weight",
+                                                t["model.layers.0.mlp.gate.weight"][:6])),
+           "tensors", ["model.layers.0.mlp.gate.weight", "[6, 64]", "8 experts"]),
+    Damage("correction_bias_missing", "deepseek_fp8",
+           delete_tensors("model.layers.1.mlp.gate.e_score_correction_bias"), "tensors",
+           ["e_score_correction_bias", "missing"]),
+    # tensors
+    Damage("expert_scale_missing", "qwen3_nvfp4", delete_tensors(f"{EXPERT}.down_proj.weight_scale_2"),
+           "tensors", [f"{EXPERT}.down_proj.weight_scale_2", "is missing"]),
+    Damage("expert_missing", "qwen3_fp8", delete_tensors(prefix="model.layers.0.mlp.experts.5."),
+           "tensors", ["model.layers.0.mlp.experts.5.", "is missing", "(and "]),
+    Damage("input_scale_missing_for_w4a4", "qwen3_nvfp4",
+           delete_tensors(f"{EXPERT}.up_proj.input_scale"), "tensors",
+           [f"{EXPERT}.up_proj.input_scale", "is missing"]),
+    Damage("input_scale_present_for_w4a16", "mixtral_w4a16", edit_tensors(lambda t: t.__setitem__(
+        "model.layers.0.block_sparse_moe.experts.0.w1.input_scale", torch.tensor(0.5))),
+           "tensors", ["w1.input_scale", "is present", "quantizes no activations"]),
+    Damage("weight_of_the_wrong_dtype", "qwen3_nvfp4", edit_tensors(lambda t: t.__setitem__(
+        f"{EXPERT}.gate_proj.weight", t[f"{EXPERT}.gate_proj.weight"].to(torch.bfloat16))),
+           "tensors", [f"{EXPERT}.gate_proj.weight", "is BF16", "U8"]),
+    Damage("block_scale_of_the_wrong_shape", "qwen3_nvfp4", edit_tensors(lambda t: t.__setitem__(
+        f"{EXPERT}.gate_proj.weight_scale", t[f"{EXPERT}.gate_proj.weight_scale"][:, :2].clone())),
+           "tensors", [f"{EXPERT}.gate_proj.weight_scale", "[32, 2]", "[32, 4]"]),
+    Damage("weight_scale_not_a_scalar", "qwen3_fp8", edit_tensors(lambda t: t.__setitem__(
+        f"{EXPERT}.up_proj.weight_scale", torch.ones(2))),
+           "tensors", [f"{EXPERT}.up_proj.weight_scale", "not one element"]),
+    Damage("intermediate_size_disagrees_with_tensors", "qwen3_nvfp4",
+           set_config(moe_intermediate_size=48), "tensors", ["has shape", "[48, 32]"]),
+    Damage("vocab_size_disagrees_with_embeddings", "qwen3_fp8", set_config(vocab_size=300),
+           "tensors", ["embed_tokens.weight", "vocab_size 300"]),
+    # safetensors files and the index
+    Damage("corrupt_header_length", "qwen3_nvfp4",
+           edit_bytes(lambda b: struct.pack("<Q", 1 << 40) + b[8:]), "safetensors",
+           [WEIGHTS, "header is corrupt"]),
+    Damage("header_not_json", "qwen3_fp8", edit_bytes(lambda b: b[:8] + b"\xff" * 24 + b[32:]),
+           "safetensors", [WEIGHTS, "not valid JSON"]),
+    Damage("truncated_weights", "qwen3_nvfp4", edit_bytes(lambda b: b[:-4096]), "safetensors",
+           [WEIGHTS, "outside the file", "truncated"]),
+    Damage("unknown_dtype_in_header", "qwen3_fp8",
+           edit_header(lambda h: h[f"{EXPERT}.gate_proj.weight"].update(dtype="Q4")),
+           "safetensors", [f"{EXPERT}.gate_proj.weight", "unknown dtype 'Q4'"]),
+    Damage("shape_and_offsets_disagree", "qwen3_fp8",
+           edit_header(lambda h: h[f"{EXPERT}.gate_proj.weight"].update(shape=[64, 64])),
+           "safetensors", [f"{EXPERT}.gate_proj.weight", "data_offsets span"]),
+    Damage("index_names_a_missing_shard", "qwen3_nvfp4",
+           write_index(moved=f"{EXPERT}.gate_proj.weight"), "index",
+           [INDEX, "model-00002-of-00002.safetensors", "missing"]),
+    Damage("index_maps_a_tensor_its_shard_lacks", "qwen3_fp8",
+           write_index(extra={"model.layers.9.mlp.gate.weight": WEIGHTS}), "index",
+           ["model.layers.9.mlp.gate.weight", "does not hold it"]),
+    # scales
+    *[Damage(f"weight_scale_2_{label}", "qwen3_nvfp4",
+             set_scalar(f"{EXPERT}.down_proj.weight_scale_2", value), "scales",
+             [f"{EXPERT}.down_proj.weight_scale_2", said])
+      for label, value, said in (("nan", math.nan, "NaN"), ("inf", math.inf, "infinite"),
+                                 ("zero", 0.0, "zeros"), ("negative", -0.01, "negative"))],
+    Damage("input_scale_negative", "qwen3_fp8", set_scalar(f"{EXPERT}.gate_proj.input_scale", -1),
+           "scales", [f"{EXPERT}.gate_proj.input_scale", "negative"]),
+    Damage("fp8_weight_scale_zero", "qwen3_fp8", set_scalar(f"{EXPERT}.gate_proj.weight_scale", 0),
+           "scales", [f"{EXPERT}.gate_proj.weight_scale", "zeros"]),
+    Damage("block_scale_nan", "qwen3_nvfp4", set_block_scale_byte(f"{EXPERT}.up_proj.weight_scale",
+                                                                  0x7F),
+           "scales", [f"{EXPERT}.up_proj.weight_scale", "NaN"]),
+    Damage("block_scale_negative", "qwen3_nvfp4",
+           set_block_scale_byte(f"{EXPERT}.up_proj.weight_scale", 0xB8),
+           "scales", [f"{EXPERT}.up_proj.weight_scale", "negative"]),
+    Damage("kv_cache_scale_nan", "qwen3_mixed",
+           set_scalar("model.layers.2.self_attn.k_proj.k_scale", math.nan),
+           "scales", ["model.layers.2.self_attn.k_proj.k_scale", "NaN"]),
+    Damage("attention_input_scale_inf", "qwen3_mixed",
+           set_scalar("model.layers.0.self_attn.v_proj.input_scale", math.inf),
+           "scales", ["model.layers.0.self_attn.v_proj.input_scale", "infinite"]),
+    # impossible sizes
+    Damage("huge_expert_intermediate_size", "qwen3_nvfp4",
+           set_config(moe_intermediate_size=10**9), "memory",
+           ["moe_intermediate_size=1000000000", "serving needs about", "available"]),
+    Damage("huge_vocabulary", "qwen3_fp8", set_config(vocab_size=10**10), "memory",
+           ["vocab_size=10000000000", "serving needs about", "available"]),
+]
+
+
+@pytest.fixture
+def damaged(request, tmp_path):
+    """``damaged(damage)`` -> a damaged copy of the damage's base export."""
+    def make(damage: Damage) -> Path:
+        folder = Path(shutil.copytree(request.getfixturevalue(damage.base), tmp_path / "ckpt"))
+        damage.apply(folder)
+        return folder
+    return make
+
+
+def finding_with(report, damage: Damage):
+    matching = [f for f in report.findings if f.rule == damage.rule
+                and all(n in f.paragraph for n in damage.needles)]
+    assert matching, (damage.rule, damage.needles, [f.paragraph for f in report.findings])
+    return matching[0]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+# ---------------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=lambda d: d.id)
+def test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys):
+    folder = damaged(damage)
+    started = time.perf_counter()
+    report = check_checkpoint(folder)
+    assert time.perf_counter() - started < 10
+    finding = finding_with(report, damage)
+    assert "\n" not in finding.paragraph  # one paragraph
+
+    code, text = run_cli(capsys, "check", str(folder))
+    assert code == 2
+    assert "Traceback" not in text
+    assert all(n in text for n in damage.needles), text
+
+    code, text = run_cli(capsys, "plan", str(folder))
+    assert code != 0
+    assert "Traceback" not in text
+    assert all(n in text for n in damage.needles), text
+    assert "communication" not in text  # no plan table for a refused checkpoint
+
+
+@pytest.mark.parametrize("base", ["qwen3_nvfp4", "qwen3_fp8", "qwen3_mixed", "deepseek_fp8",
+                                  "mixtral_w4a16"])
+def test_an_undamaged_export_passes_the_check_and_plans(base, request, capsys):
+    folder = request.getfixturevalue(base)
+    report = check_checkpoint(folder)
+    assert report.ok, [f.paragraph for f in report.findings]
+    assert report.scale_tensors > 0 and report.memory is not None
+    code, text = run_cli(capsys, "plan", str(folder))
+    assert code == 0, text
+    assert "check: ok" in text and "finite and positive" in text
+
+
+def test_check_prints_every_finding_at_once(qwen3_nvfp4, tmp_path, capsys):
+    folder = Path(shutil.copytree(qwen3_nvfp4, tmp_path / "ckpt"))
+    for damage in DAMAGES:
+        if damage.id in ("algorithms_disagree", "top_k_above_the_experts",
+                         "weight_scale_2_nan", "block_scale_of_the_wrong_shape"):
+            damage.apply(folder)
+    code, text = run_cli(capsys, "check", str(folder), "--json")
+    data = json.loads(text)
+    assert code == 2 and not data["ok"]
+    assert {"agreement", "routing", "scales", "tensors"} <= {f["rule"] for f in data["findings"]}
+
+
+def test_the_memory_needed_is_compared_with_the_machine(qwen3_nvfp4):
+    small = MachineMemory("cpu", 1 << 20, "a test machine has 1.0 MiB available")
+    report = check_checkpoint(qwen3_nvfp4, machine=small, batch_size=64)
+    (finding,) = report.findings
+    assert finding.rule == "memory"
+    assert "a test machine has 1.0 MiB available" in finding.paragraph
+    assert "at batch 64 x 1024 tokens" in finding.paragraph
+    assert "KV cache" in finding.paragraph  # the largest part at this batch, with its fields
+    assert check_checkpoint(qwen3_nvfp4, machine=small, batch_size=1,
+                            context_tokens=16).memory.total < report.memory.total
+
+
+def test_the_scale_scan_is_timed_and_reads_only_scales(qwen3_nvfp4):
+    report = check_checkpoint(qwen3_nvfp4)
+    tensors = load_file(qwen3_nvfp4 / WEIGHTS)
+    scales = [t for n, t in tensors.items() if n.endswith(("_scale", "_scale_2"))]
+    assert len(scales) >= 2 * 8 * 3 * 3  # at least the experts' three scales per projection
+    assert report.scale_tensors == len(scales)
+    assert report.scale_bytes == sum(t.numel() * t.element_size() for t in scales)
+    assert report.scale_seconds > 0 and "scanned in" in report.summary
+
+
+def test_load_model_refuses_a_damaged_checkpoint_before_allocating(damaged):
+    from moe_runtime.integration.transformers import load_model
+
+    damage = next(d for d in DAMAGES if d.id == "block_scale_nan")
+    with pytest.raises(CheckpointRefused) as info:
+        load_model(damaged(damage))
+    assert all(n in str(info.value) for n in damage.needles)
+
+
+def test_debug_shows_the_traceback_of_an_unexpected_error(monkeypatch, capsys, qwen3_fp8):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something inside broke")
+
+    monkeypatch.setattr(cli, "cmd_check", broken)  # build_parser reads it when it runs
+    code, text = run_cli(capsys, "check", str(qwen3_fp8))
+    assert code == 1 and "something inside broke" in text and "--debug" in text
+    assert "Traceback" not in text
+    with pytest.raises(RuntimeError):
+        cli.main(["--debug", "check", str(qwen3_fp8)])
+
+
+# --------------------------------------------------------------- serve refuses at start-up
+
+SERVE_DAMAGES = ["weight_scale_2_nan", "layer_algorithms_disagree", "huge_expert_intermediate_size"]
+
+
+@pytest.mark.parametrize("damage_id", SERVE_DAMAGES)
+def test_serve_refuses_a_damaged_checkpoint_at_start_up(damage_id, damaged):
+    damage = next(d for d in DAMAGES if d.id == damage_id)
+    folder = damaged(damage)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--model", str(folder),
+                           "--port", "0", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text
+    assert "Traceback" not in text
+    assert all(n in text for n in damage.needles), text
+    assert "serving '" not in text  # no half-started server
+    assert time.monotonic() - started < 120
+
+
+# ------------------------------------------------------------ damage that no list above names
+
+
+def _expert_and_scale_tensors(folder: Path) -> tuple[list[str], list[str]]:
+    names = list(load_file(folder / WEIGHTS))
+    experts = [n for n in names if ".experts." in n]
+    scales = [n for n in names if n.rsplit(".", 1)[-1].endswith(("scale", "scale_2"))]
+    return experts, scales
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_damage_is_found_and_never_raises(seed, qwen3_mixed, tmp_path):
+    rng = random.Random(seed)
+    experts, scales = _expert_and_scale_tensors(qwen3_mixed)
+    variants = {
+        "truncated json": (truncate(rng.choice(["config.json", "hf_quant_config.json"]),
+                                    rng.uniform(0.05, 0.95)), "json"),
+        "deleted tensor": (delete_tensors(rng.choice(experts)), "tensors"),
+        "poisoned scale": (set_scalar(rng.choice([s for s in scales if "weight_scale" not in s
+                                                  or s.endswith("_2")]),
+                                      rng.choice([math.nan, -math.inf, 0.0, -rng.random()])),
+                           "scales"),
+        "cut weights": (edit_bytes(lambda b: b[:rng.randrange(9, len(b) - 1)]), "safetensors"),
+    }
+    for label, (apply, rule) in variants.items():
+        folder = Path(shutil.copytree(qwen3_mixed, tmp_path / label.replace(" ", "_")))
+        apply(folder)
+        report = check_checkpoint(folder)
+        assert rule in report.rules() or (rule == "safetensors" and "folder" in report.rules()), (
+            label, [f.paragraph for f in report.findings])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_bytes_in_a_safetensors_header_never_crash_the_check(seed, qwen3_fp8, tmp_path):
+    rng = random.Random(seed)
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    raw = bytearray((folder / WEIGHTS).read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    for _ in range(8):
+        raw[rng.randrange(0, 8 + n)] = rng.randrange(256)
+    (folder / WEIGHTS).write_bytes(bytes(raw))
+    check_checkpoint(folder)  # any finding, or none; never an exception
