@@ -149,6 +149,7 @@ class CacheBatcher:
         self._device = next(model.parameters()).device
         self._incoming: queue.Queue[_Request] = queue.Queue()
         self._cancelled: set[str] = set()
+        self._live: set[str] = set()  # queued or running requests
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -170,14 +171,25 @@ class CacheBatcher:
         if not self.is_running():
             return None
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        with self._lock:
+            self._live.add(request_id)
         self._incoming.put(_Request(request_id, list(input_ids), max(1, int(max_new_tokens)),
                                     frozenset(eos), logit_processor_kwargs.get(SLOT_KWARG, GREEDY)))
         return request_id
 
     def cancel_request(self, request_id: str) -> None:
         with self._lock:
-            self._cancelled.add(request_id)
+            if request_id in self._live:
+                self._cancelled.add(request_id)
             self._handlers.pop(request_id, None)
+
+    @property
+    def pending(self) -> dict[str, int]:
+        """What the batcher still holds: running rows, queued requests, handlers, cancellations."""
+        with self._lock:
+            return {"running": len(self._rows), "queued": self._incoming.qsize(),
+                    "handlers": len(self._handlers), "cancelled": len(self._cancelled),
+                    "live": len(self._live)}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="moe-runtime-batcher", daemon=True)
@@ -199,8 +211,9 @@ class CacheBatcher:
     def _deliver(self, req: _Request, *, finished: bool, error: str | None = None) -> None:
         with self._lock:
             entry = self._handlers.get(req.request_id)
-            if finished:
+            if finished or error is not None:
                 self._handlers.pop(req.request_id, None)
+                self._live.discard(req.request_id)
         if entry is not None:
             callback, loop = entry
             out = _Output(req.request_id, list(req.generated), finished or error is not None,
@@ -242,6 +255,8 @@ class CacheBatcher:
             with self._lock:
                 cancelled = req.request_id in self._cancelled
                 self._cancelled.discard(req.request_id)
+                if cancelled:
+                    self._live.discard(req.request_id)
             if not cancelled:
                 new.append(req)
         return new
@@ -250,6 +265,7 @@ class CacheBatcher:
         with self._lock:
             gone = {r.request_id for r in self._rows} & self._cancelled
             self._cancelled -= gone
+            self._live -= gone
         if gone:
             self._keep([i for i, r in enumerate(self._rows) if r.request_id not in gone])
 

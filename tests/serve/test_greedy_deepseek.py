@@ -4,10 +4,13 @@ As ``test_greedy_equality.py`` does for the default model: a W4A16_NVFP4 ModelOp
 dequantized weights are exactly what the experts compute with), served in float32, against the
 same checkpoint in transformers with ModelOpt's weights dequantized into its own experts, run by
 ``model.generate`` in this process. Requests one at a time and all at once (padded into one batch).
+The last test drives the engine in this process: requests that end early leave nothing behind.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -77,3 +80,60 @@ def test_requests_batched_together_equal_generate(client, server, expected):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         served = list(pool.map(lambda p: _served(client, server, p), PROMPTS))
     assert served == [expected[p] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    eng = Engine(load_for_serving(model_dir, dtype="float32", progress=False), max_batch_size=3)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def _pending(engine) -> dict:
+    deadline = time.monotonic() + 5
+    while True:
+        state = {**engine._manager.pending, "slots": engine.sampler.open_slots}
+        if not any(state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def test_cancelled_stopped_and_overflowing_requests_leave_nothing_in_the_cache_batcher(engine):
+    from moe_runtime.serve.sampling import SamplingParams
+
+    assert engine.batching.path == "dynamic"
+    prompt = engine.encode_prompt("Once upon a time")
+    greedy = SamplingParams(temperature=0.0)
+
+    async def run():
+        stream = engine.generate(prompt, max_tokens=200, sampling=SamplingParams(seed=1))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2:
+                break
+        await stream.aclose()
+        full = await engine.complete(prompt, max_tokens=20, sampling=greedy)
+        cut = await engine.complete(prompt, max_tokens=20, sampling=greedy, stop=[full.text[3:6]])
+        assert cut.finish_reason == "stop" and len(cut.token_ids) < 20
+        task = asyncio.ensure_future(engine.complete(prompt, max_tokens=200,
+                                                     sampling=SamplingParams(seed=2)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # more requests than the batch holds (3): all finish, with their own budgets
+        many = await asyncio.gather(*[
+            engine.complete(engine.encode_prompt(f"request {i}"), max_tokens=2 + i % 4,
+                            sampling=SamplingParams(seed=i)) for i in range(7)])
+        for i, r in enumerate(many):
+            assert 0 < len(r.token_ids) <= 2 + i % 4
+
+    asyncio.run(run())
+    assert _pending(engine) == {"running": 0, "queued": 0, "handlers": 0, "cancelled": 0,
+                                "live": 0, "slots": 0}
+    assert engine.healthy
