@@ -4,6 +4,10 @@ Routes: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed as s
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/v1/moe/plan``. Every route but
 ``/health`` checks ``api_key`` when one is set. One log line per request, written when its response
 ends (for a stream: when the stream ends).
+
+Client errors are answered in OpenAI's error shape and logged as that one line: bodies larger than
+``max_request_bytes`` (413), nested deeper than ``protocol.MAX_JSON_DEPTH``, or not standard JSON
+(400); a client that leaves mid-request is logged as status 499, with no traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -29,6 +33,7 @@ from moe_runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    decode_body,
     invalid,
     parse,
 )
@@ -36,6 +41,7 @@ from moe_runtime.serve.sampling import SamplingParams
 
 access_log = logging.getLogger("moe_runtime.serve.access")
 log = logging.getLogger("moe_runtime.serve")
+CLIENT_GONE = 499  # the status logged (never sent) for a client that left before its response
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
@@ -97,12 +103,7 @@ class _Server:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        body = b"".join(chunks)
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise invalid(f"the request body is not valid JSON: {exc}",
-                          code="invalid_json") from None
+        return decode_body(b"".join(chunks))
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -320,6 +321,12 @@ class _Guard:
                 await _error_response(err)(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)
+        except ClientDisconnect:
+            # The client left mid-request or mid-response: its fault, nobody to answer, no
+            # traceback. The access line says so.
+            if status_holder["status"] == 500:
+                status_holder["status"] = CLIENT_GONE
+            scope["state"].setdefault("moe_request", {})["client_gone"] = True
         finally:
             self._finish(scope, path, status_holder["status"], time.perf_counter() - start)
 
@@ -353,9 +360,11 @@ class _Guard:
             extra = (f" id={state.get('id')} prompt_tokens={state['prompt_tokens']} "
                      f"completion_tokens={state.get('completion_tokens', 0)} "
                      f"finish={state.get('finish_reason')}")
+        if state.get("client_gone"):
+            extra += " client_disconnected"
         client = scope.get("client") or ("-", 0)
         access_log.info("%s:%s %s %s %d %.1fms%s", client[0], client[1], scope.get("method"),
-                        path, status, seconds * 1000, extra)
+                        path[:200], status, seconds * 1000, extra)
 
 
 def create_app(engine: Engine, *, served_model_name: str | None = None,

@@ -7,11 +7,14 @@ fields this server does not know are ignored, since clients send many. Errors us
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_SEQUENCES = 4
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (messages -> content parts -> fields)
 
 
 class APIError(Exception):
@@ -33,6 +36,40 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply ``body`` nests arrays and objects, found without parsing it (linear time)."""
+    import numpy as np
+
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON value of a request body; too deep, invalid or non-standard JSON: a 400."""
+    # No body with fewer brackets than the limit can nest deeper: most skip the scan.
+    depth = 0 if body.count(b"[") + body.count(b"{") <= max_depth else json_depth(body)
+    if depth > max_depth:
+        raise invalid(f"the request body nests arrays and objects {depth} levels deep; at most "
+                      f"{max_depth} are accepted", code="json_too_deep")
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # ValueError also covers integers of more digits than Python converts (4300)
+        raise invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 class _Request(BaseModel):
