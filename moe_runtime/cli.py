@@ -157,7 +157,7 @@ def _local_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_check(args, path, *, device: str | None):
+def run_check(args, path, *, device: str | None, weights_required: bool = True):
     """:func:`check_checkpoint` for the CLI's options; ``device=None``: no memory comparison."""
     from moe_runtime.checkpoint.check import check_checkpoint
 
@@ -167,7 +167,8 @@ def run_check(args, path, *, device: str | None):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {value}")
     kwargs = {} if device is not None else {"machine": None}
     return check_checkpoint(path, device=device or "cpu", batch_size=args.max_batch_size,
-                            context_tokens=args.max_model_len, **kwargs)
+                            context_tokens=args.max_model_len,
+                            weights_required=weights_required, **kwargs)
 
 
 def print_findings(report, *, file=None) -> None:
@@ -198,15 +199,21 @@ def cmd_plan(args) -> int:
     from moe_runtime.model_plan import checkpoint_summary
     from moe_runtime.planner import PlanError
 
-    # A described target is not this machine: its memory is estimated, not compared.
+    # A described target is not this machine: its memory is estimated, not compared. A folder of
+    # config files alone plans (a published config, before its weights are downloaded).
     report = run_check(args, args.checkpoint,
-                       device=None if args.target_device else _local_device())
-    if not report.ok:
+                       device=None if args.target_device else _local_device(),
+                       weights_required=False)
+    # plan may run on another machine than the one that serves: memory is a warning here.
+    warnings = [f for f in report.findings if f.rule == "memory"]
+    if len(warnings) < len(report.findings):
         if args.json:
             print(json.dumps({"check": report.to_json(), "error": "the checkpoint check failed",
                               "rejections": []}, indent=2))
         print_findings(report)
         return 2
+    for finding in warnings:
+        print(f"warning: {finding.paragraph}", file=sys.stderr)
     registry = load_registry(args)
     try:
         ckpt = read_checkpoint(args.checkpoint)
@@ -229,7 +236,7 @@ def cmd_plan(args) -> int:
     summary = checkpoint_summary(ckpt)
     print(f"checkpoint {ckpt.path}: {summary['architecture']}, method {summary['method']} "
           f"(reported only), {len(plan.layers)} MoE layers")
-    print(f"check: ok; {report.summary}")
+    print(f"check: {'ok' if report.ok else 'memory warning'}; {report.summary}")
     print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
     rows = [("layer", "format", "communication", "experts", "notes")]
     for lp in plan.layers:

@@ -148,6 +148,7 @@ class CheckReport:
     memory: MemoryEstimate | None = None
     machine: MachineMemory | None = None
     seconds: float = 0.0
+    config_only: bool = False  # no weight files (accepted when not required): tensors unchecked
 
     @property
     def ok(self) -> bool:
@@ -159,13 +160,16 @@ class CheckReport:
     @property
     def summary(self) -> str:
         """One line for people about a check that passed (or how many findings it had)."""
-        if self.findings:
+        if any(f.rule != "memory" for f in self.findings):
             return f"{len(self.findings)} problem(s) found in {self.path}"
         memory = ""
         if self.memory is not None:
             memory = f"; serving needs about {human(self.memory.total)}"
             if self.machine is not None:
                 memory += f" ({self.machine.described})"
+        if self.config_only:
+            return ("config files only (no weight files): the configs were checked, the tensors "
+                    f"and scales were not{memory}")
         return (f"checked {self.tensors} tensors in {self.seconds:.2f} s: {self.scale_tensors} "
                 f"scale tensors ({human(self.scale_bytes)}) finite and positive, scanned in "
                 f"{self.scale_seconds * 1000:.0f} ms{memory}")
@@ -176,7 +180,7 @@ class CheckReport:
             "findings": [f.to_json() for f in self.findings],
             "tensors": self.tensors, "scale_tensors": self.scale_tensors,
             "scale_bytes": self.scale_bytes, "scale_scan_seconds": round(self.scale_seconds, 4),
-            "seconds": round(self.seconds, 4),
+            "seconds": round(self.seconds, 4), "config_only": self.config_only,
             "memory": self.memory.to_json() if self.memory else None,
             "machine": attrs.asdict(self.machine) if self.machine else None,
         }
@@ -196,7 +200,8 @@ _PROBE = "probe"
 
 
 def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _PROBE,
-                     batch_size: int = 1, context_tokens: int | None = None) -> CheckReport:
+                     batch_size: int = 1, context_tokens: int | None = None,
+                     weights_required: bool = True) -> CheckReport:
     """Check the checkpoint folder ``path``; never raises for what is wrong with the folder.
 
     :param device: where the model would be loaded (``"cpu"``, ``"cuda:0"``): whose memory the
@@ -205,9 +210,12 @@ def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _P
         (the estimate is still made), or the default: probe ``device`` once.
     :param batch_size: sequences the server holds at once; ``context_tokens``: tokens per
         sequence (default: the config's ``max_position_embeddings``).
+    :param weights_required: ``False`` accepts a folder of config files alone (planning a
+        published config before its weights are downloaded): the tensor rules are then skipped
+        and the report says so.
     """
     start = time.perf_counter()
-    c = _Check(Path(path))
+    c = _Check(Path(path), weights_required=weights_required)
     c.run(batch_size=batch_size, context_tokens=context_tokens)
     if machine == _PROBE:
         machine = MachineMemory.probe(device) if c.estimate is not None else None
@@ -218,7 +226,8 @@ def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _P
                   "a machine with that much memory, a smaller --max-batch-size or "
                   "--max-model-len, or a checkpoint whose config declares smaller sizes")
     return CheckReport(c.folder, c.findings, len(c.tensors), c.scale_count, c.scale_bytes,
-                       c.scale_seconds, c.estimate, machine, time.perf_counter() - start)
+                       c.scale_seconds, c.estimate, machine, time.perf_counter() - start,
+                       c.config_only)
 
 
 _CLEAN: dict[tuple, CheckReport] = {}
@@ -255,8 +264,10 @@ def require_sound_checkpoint(path: str | Path, *, device: str = "cpu", batch_siz
 class _Check:
     """The state of one check: the findings so far and what the earlier rules read."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, weights_required: bool = True) -> None:
         self.folder = folder
+        self.weights_required = weights_required
+        self.config_only = False
         self.findings: list[Finding] = []
         self.config: dict | None = None
         self.tensors: dict[str, TensorMeta] = {}
@@ -522,6 +533,9 @@ class _Check:
         else:
             paths = sorted(p for p in self.folder.glob("*.safetensors") if p.is_file())
         if not paths and mapped is None:
+            if not self.weights_required:
+                self.config_only = True
+                return False
             self.add("safetensors", str(self.folder), "holds no *.safetensors weight files",
                      "model.safetensors, or shards listed by model.safetensors.index.json")
             return False
@@ -619,6 +633,7 @@ class _Check:
         if not tensors_ok and not tensors:
             return layers
         self._named_modules_exist(spec)
+        self._layers_declared()
         for layer in layers:
             self._experts(layer)
         self._embeddings()
@@ -643,6 +658,25 @@ class _Check:
                      f"checkpoint belongs to{_more(len(absent) - 1, 'module')}",
                      "quantized_layers keys naming modules whose tensors are in the "
                      "safetensors files")
+
+    def _layers_declared(self) -> None:
+        """Every decoder layer the tensors hold is one the config declares (else the model would
+        be built without it, and serve other numbers than the checkpoint's)."""
+        f = self._model_fields()
+        declared = f.get("num_hidden_layers")
+        if not isinstance(declared, int):
+            return
+        extra = f.get("num_nextn_predict_layers")  # DeepSeek stores its MTP layers after them
+        limit = declared + (extra if isinstance(extra, int) and extra > 0 else 0)
+        pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+        beyond = sorted({int(m.group(1)) for t in self.tensors if (m := pattern.search(t))
+                         and int(m.group(1)) >= limit})
+        if beyond:
+            self.add("tensors", str(self.folder / CONFIG),
+                     f"num_hidden_layers is {declared}, but the tensors hold decoder layer "
+                     f"{beyond[-1]}" + _more(len(beyond) - 1, "layer"),
+                     f"num_hidden_layers {beyond[-1] + 1 - (limit - declared)} (the layers the "
+                     "tensors hold), or tensors of the declared layers only")
 
     def _experts(self, layer: MoELayerInfo) -> None:
         fmt = layer.quant.format

@@ -240,6 +240,9 @@ DAMAGES = [
            "tensors", ["experts.8.", "is missing"]),
     Damage("config_declares_fewer_experts_than_stored", "qwen3_fp8", set_experts(4),
            "tensors", ["hold expert 7", "declares 4 experts"]),
+    Damage("config_declares_fewer_layers_than_stored", "qwen3_nvfp4",
+           set_config(num_hidden_layers=1), "tensors",
+           ["num_hidden_layers is 1", "decoder layer 1"]),
     Damage("router_shape_disagrees", "qwen3_fp8",
            edit_tensors(lambda t: t.__setitem__("model.layers.0.mlp.gate.weight",
                                                 t["model.layers.0.mlp.gate.weight"][:6])),
@@ -380,6 +383,24 @@ def test_an_undamaged_export_passes_the_check_and_plans(base, request, capsys):
     code, text = run_cli(capsys, "plan", str(folder))
     assert code == 0, text
     assert "check: ok" in text and "finite and positive" in text
+
+
+def test_a_folder_of_config_files_alone_plans_but_is_no_checkpoint_to_serve(capsys):
+    folder = Path(__file__).parent / "data" / "qwen3_5_moe_nvfp4_mixed"
+    code, text = run_cli(capsys, "plan", str(folder), "--target-device", "sm100")
+    assert code == 0, text
+    assert "config files only" in text and "serving needs about" in text
+    code, text = run_cli(capsys, "check", str(folder))
+    assert code == 2 and "holds no *.safetensors weight files" in text
+
+
+def test_plan_warns_of_memory_but_check_refuses(qwen3_nvfp4, capsys):
+    # one sequence of 2**40 tokens: a KV cache no machine has
+    code, text = run_cli(capsys, "plan", str(qwen3_nvfp4), "--max-model-len", str(1 << 40))
+    assert code == 0, text
+    assert "warning: " in text and "KV cache" in text
+    code, text = run_cli(capsys, "check", str(qwen3_nvfp4), "--max-model-len", str(1 << 40))
+    assert code == 2 and "KV cache" in text and "available" in text
 
 
 def test_check_prints_every_finding_at_once(qwen3_nvfp4, tmp_path, capsys):
