@@ -20,7 +20,10 @@ from moe_runtime.testing.cases import (  # noqa: F401
     CommCase,
     ExpertsCase,
     RefusalCase,
+    TokenBoundCase,
+    case_seed,
     comm_cases,
     experts_cases,
     refusal_cases,
+    token_bound_cases,
 )

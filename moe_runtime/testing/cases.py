@@ -1,23 +1,37 @@
-"""Test cases generated from declarations (no second capability table anywhere)."""
+"""Test cases generated from declarations (no second capability table anywhere).
+
+Every number a case uses comes from the declaration it checks or from the format's storage:
+sizes are built from the block's ``shape_multiple`` and the format's block size (the smallest sizes
+admitted, sizes that are not multiples of 16 where admitted), communication cases run each mode
+at its own ``max_tokens_per_rank`` and at every world size from 1 to 4 it admits. Which problems a
+block accepts is decided by :meth:`Support.check`, the planner's own rule.
+"""
 
 from __future__ import annotations
+
+import math
+import zlib
 
 import attrs
 
 from moe_runtime import formats as F
-from moe_runtime.declarations import CommBackendSpec, ExpertsBackendSpec, Support
+from moe_runtime.declarations import CommBackendSpec, CommSupport, ExpertsBackendSpec, Support
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
+from moe_runtime.runtime import LayerProblem
 
-# Per-format tolerance: max |out - ref| / max |ref|, the reference computing in float32.
-TOLERANCE = {
-    F.BF16: 2e-2,
-    F.FP16: 5e-3,
-    F.FP8_W8A8: 6e-2,
-    F.NVFP4_W4A4: 8e-2,
-    F.NVFP4_W4A16: 3e-2,
-}
-DEFAULT_TOLERANCE = 8e-2
+# The largest per-rank batch a communication case sends on this machine; a declared bound above it
+# is run at this size and the case id says so (``-tokens4096-of16384``).
+MAX_CASE_TOKENS_PER_RANK = 4096
+# The batch an unbounded mode is run at, per rank.
+UNBOUNDED_CASE_TOKENS = 256
+# World sizes tried where a mode admits them ("any" means these).
+CASE_WORLD_SIZES = (1, 2, 3, 4)
+
+
+def case_seed(case_id: str, seed: int = 0) -> int:
+    """The input seed of a case: a stable hash of its id (the same in every process) and ``seed``."""
+    return zlib.crc32(f"{seed}:{case_id}".encode()) & 0x7FFFFFFF
 
 
 @attrs.frozen
@@ -32,17 +46,58 @@ class Shape:
     top_k: int
     routing: str = "random"  # "random" | "one_expert" | "skip_experts" | "remote_slots"
 
+    @property
+    def label(self) -> str:
+        return f"{self.name}-h{self.hidden}i{self.intermediate}"
 
-SHAPES = (
-    Shape("one_token", 1, 64, 32, 8, 2),
-    Shape("all_to_one_expert", 9, 64, 32, 8, 1, "one_expert"),
-    Shape("idle_experts", 12, 64, 48, 8, 2, "skip_experts"),
-    Shape("zero_tokens", 0, 64, 32, 4, 2),
-    Shape("odd_hidden", 7, 80, 48, 6, 3),
-    Shape("batch", 33, 128, 64, 8, 2),
-    # experts on other ranks: some top-k ids are -1 (token-major only)
-    Shape("remote_slots", 10, 64, 32, 8, 3, "remote_slots"),
-)
+
+def _up(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+def _ragged(near: int, m: int) -> int | None:
+    """The first multiple of ``m`` from ``near`` on that is not a multiple of 16 (None if none)."""
+    if 16 % m == 0 and m >= 16:
+        return None
+    v = _up(near, m)
+    for _ in range(64):
+        if v % 16:
+            return v
+        v += m
+    return None
+
+
+def size_multiple(support: Support, fmt: F.WeightFormat) -> int:
+    """The step of admitted hidden/intermediate sizes: the block's and the storage's, together."""
+    return math.lcm(max(support.shape_multiple, 1), fmt.stored_as.size_multiple)
+
+
+def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
+    """The shapes a block is tried on, from its own ``shape_multiple`` and the format's storage."""
+    m = size_multiple(support, fmt)
+    h, i = _up(64, m), _up(32, m)
+    shapes = [
+        Shape("one_token", 1, h, i, 8, 2),
+        Shape("all_to_one_expert", 9, h, _up(32, m), 8, 1, "one_expert"),
+        Shape("idle_experts", 12, h, _up(48, m), 8, 2, "skip_experts"),
+        Shape("zero_tokens", 0, h, i, 4, 2),
+        Shape("batch", 33, _up(128, m), h, 8, 2),
+        # experts on other ranks: some top-k ids are -1 (token-major only)
+        Shape("remote_slots", 10, h, i, 8, 3, "remote_slots"),
+        # the smallest sizes the declaration admits
+        Shape("smallest_sizes", 5, m, m, 4, 2),
+        # enough output elements for the bias check to be reliable
+        Shape("bias", 512, h, i, 8, 2),
+    ]
+    rh, ri = _ragged(72, m), _ragged(40, m)
+    if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16
+        shapes.append(Shape("not_multiple_of_16", 7, rh, ri, 6, 3))
+    return tuple(shapes)
+
+
+def _problem(fmt: str, activation: str, shape: Shape) -> LayerProblem:
+    return LayerProblem("conformance.layer", fmt, activation, shape.experts, shape.top_k,
+                        shape.hidden, shape.intermediate)
 
 
 @attrs.frozen
@@ -60,7 +115,7 @@ class ExpertsCase:
     def id(self) -> str:
         ra = f"-as-{self.runs_as}" if self.runs_as != self.format else ""
         return (f"{self.backend}-{self.format}{ra}-{self.activation}-{self.layout}-{self.payload}"
-                f"-{self.shape.name}")
+                f"-{self.shape.label}")
 
 
 @attrs.frozen
@@ -68,25 +123,51 @@ class RefusalCase:
     backend: str
     format: str
     activation: str
-    expected: str  # a planner Reason value
+    expected: str  # a Reason value
     environment: str  # target name the refusal is checked on
+    hidden: int = 128
+    intermediate: int = 64
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-refuses-{self.format}-{self.activation}-on-{self.environment}"
+        size = "" if (self.hidden, self.intermediate) == (128, 64) else (
+            f"-h{self.hidden}i{self.intermediate}")
+        return (f"{self.backend}-refuses-{self.format}-{self.activation}{size}-on-"
+                f"{self.environment}")
 
 
 @attrs.frozen
 class CommCase:
+    """One mode at one world size, run with ``tokens`` per rank (its bound, where it has one)."""
+
     backend: str
     mode: str
     layout: str
     payload: str
     world_size: int
+    tokens: int
+    declared_bound: int | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.mode}-{self.payload}-ws{self.world_size}"
+        t = f"-tokens{self.tokens}"
+        if self.declared_bound is not None and self.tokens < self.declared_bound:
+            t += f"-of{self.declared_bound}"  # the declared bound is too large to run here
+        return f"{self.backend}-{self.mode}-{self.payload}-ws{self.world_size}{t}"
+
+
+@attrs.frozen
+class TokenBoundCase:
+    """A bounded mode: a batch one past its bound must not be given to it by the planner."""
+
+    backend: str
+    mode: str
+    bound: int
+    world_size: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.mode}-refuses-{self.bound + 1}-tokens-ws{self.world_size}"
 
 
 def _payload_allowed(registry: Registry, runs_as: str, payload: str) -> bool:
@@ -96,27 +177,23 @@ def _payload_allowed(registry: Registry, runs_as: str, payload: str) -> bool:
 
 
 def experts_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[ExpertsCase]:
+    """Every declared (format, activation, layout, payload) on every shape the block admits."""
     out = []
-    for i, s in enumerate(spec.supports):
+    for index, s in enumerate(spec.supports):
         for fmt in sorted(s.formats):
-            runs_as = s.runs_as or fmt
-            for act in sorted(s.activations):
-                for layout in sorted(s.layouts):
-                    for payload in sorted(s.payloads):
-                        if not _payload_allowed(registry, runs_as, payload):
+            runs_as = s.runs(fmt)
+            for shape in shapes_for(s, registry.formats[fmt].spec):
+                for act in sorted(s.activations):
+                    if not s.check(_problem(fmt, act, shape)):
+                        continue  # the declaration's own rule says no (never by construction)
+                    for layout in sorted(s.layouts):
+                        if shape.routing == "remote_slots" and layout != F.TOKEN_MAJOR:
                             continue
-                        for shape in SHAPES:
-                            if shape.routing == "remote_slots" and layout != F.TOKEN_MAJOR:
-                                continue
-                            if _shape_ok(s, fmt, shape):
+                        for payload in sorted(s.payloads):
+                            if _payload_allowed(registry, runs_as, payload):
                                 out.append(ExpertsCase(spec.name, fmt, runs_as, act, layout,
-                                                       payload, shape, i))
+                                                       payload, shape, index))
     return out
-
-
-def _shape_ok(s: Support, fmt: str, shape: Shape) -> bool:
-    m = max(s.shape_multiple, 16 if fmt.startswith("nvfp4") else 1)
-    return shape.hidden % m == 0 and shape.intermediate % m == 0
 
 
 def _target_for(s: Support) -> str:
@@ -136,6 +213,8 @@ def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalC
     - a registered format declared by no block: ``unsupported_format``, on a machine where one of
       the backend's blocks matches (so the format, not the device, is the reason);
     - an activation declared by no block: ``unsupported_activation``;
+    - sizes the format's storage admits but no block declaring the format does:
+      ``unsupported_shape``;
     - a declared format on a device kind no block of that format runs on: ``unsupported_device``;
     - a declared format on a CUDA capability outside every range of the blocks declaring it:
       ``compute_capability``.
@@ -154,6 +233,13 @@ def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalC
     for fmt in sorted(declared):
         blocks = [t for t in spec.supports if fmt in t.formats]
         act = sorted(blocks[0].activations)[0]
+        storage = registry.formats[fmt].spec.stored_as.size_multiple
+        steps = [size_multiple(t, registry.formats[fmt].spec) for t in blocks]
+        if min(steps) > storage:  # every block asks for more than the storage does
+            h = i = min(steps) + storage
+            env = _target_for(blocks[0])
+            if all(h % st for st in steps):
+                out.append(RefusalCase(spec.name, fmt, act, "unsupported_shape", env, h, i))
         devices = {d for t in blocks for d in t.hardware.devices}
         if "cpu" not in devices:
             out.append(RefusalCase(spec.name, fmt, act, "unsupported_device", "cpu"))
@@ -161,26 +247,41 @@ def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalC
                                      if "cuda" in t.hardware.devices):
             for probe in ("7.0", "8.0", "9.0", "10.0", "12.0"):
                 env = Environment.for_target(f"cuda:{probe}")
-                if not any(_hw_matches(t, env) for t in blocks):
+                if not any(t.hardware.check(env) for t in blocks):
                     out.append(RefusalCase(spec.name, fmt, act, "compute_capability",
                                            f"cuda:{probe}"))
     return list(dict.fromkeys(out))
 
 
-def _hw_matches(s: Support, env: Environment) -> bool:
-    hw = s.hardware
-    if env.device not in hw.devices:
-        return False
-    if env.device == "cuda" and hw.cuda_capabilities:
-        return any(r.contains(env.capability) for r in hw.cuda_capabilities)
-    return True
+def case_world_sizes(mode: CommSupport) -> list[int]:
+    sizes = [n for n in CASE_WORLD_SIZES if mode.allows_world_size(n)]
+    if mode.world_sizes is not None:
+        sizes += sorted(n for n in mode.world_sizes if n not in sizes and n <= max(
+            CASE_WORLD_SIZES))
+    return sizes
+
+
+def case_tokens(mode: CommSupport) -> int:
+    if mode.max_tokens_per_rank is None:
+        return UNBOUNDED_CASE_TOKENS
+    return min(mode.max_tokens_per_rank, MAX_CASE_TOKENS_PER_RANK)
 
 
 def comm_cases(registry: Registry, spec: CommBackendSpec) -> list[CommCase]:
+    """Each mode, payload and world size, at the mode's declared token bound."""
     out = []
     for s in spec.supports:
-        sizes = [n for n in (1, 2, 4) if s.allows_world_size(n)]
         for payload in sorted(s.payloads):
-            for ws in sizes:
-                out.append(CommCase(spec.name, s.mode, s.layout, payload, ws))
+            for ws in case_world_sizes(s):
+                out.append(CommCase(spec.name, s.mode, s.layout, payload, ws, case_tokens(s),
+                                    s.max_tokens_per_rank))
+    return out
+
+
+def token_bound_cases(registry: Registry, spec: CommBackendSpec) -> list[TokenBoundCase]:
+    out = []
+    for s in spec.supports:
+        sizes = case_world_sizes(s)
+        if s.max_tokens_per_rank is not None and sizes:
+            out.append(TokenBoundCase(spec.name, s.mode, s.max_tokens_per_rank, sizes[0]))
     return out

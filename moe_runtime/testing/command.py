@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -12,8 +13,14 @@ def add_conformance_command(sub) -> None:
         description="Run the moe-runtime conformance suite on one or more registered backends. "
         "Extra arguments after -- go to pytest (e.g. -- -x -k nvfp4).",
     )
-    p.add_argument("backends", nargs="+", metavar="NAME [-- PYTEST_ARGS]",
+    p.add_argument("backends", nargs=argparse.REMAINDER, metavar="NAME [--seed N] [--case ID] "
+                   "[-- PYTEST_ARGS]",
                    help="backends to check; arguments after -- go to pytest")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the case inputs (default 0: the same inputs on every run; each "
+                        "case hashes its own id with the seed)")
+    p.add_argument("--case", action="append", default=[], metavar="CASE_ID",
+                   help="run only this case (a failure prints the command that replays it)")
     p.set_defaults(func=run_conformance)
 
 
@@ -27,11 +34,32 @@ def run_conformance(args) -> int:
 
     from moe_runtime.testing import suite
 
-    # Backend names never start with "-": the first token that does begins pytest's arguments
-    # (argparse hands everything after "--" to the positional list).
-    names, extra = [], []
-    for token in args.backends:
-        (extra if extra or token.startswith("-") else names).append(token)
+    # Backend names never start with "-". --seed and --case may follow the names; after "--", or
+    # from the first other option on, the arguments go to pytest.
+    names, extra, cases, seed = [], [], list(args.case), args.seed
+    tokens = list(args.backends)
+    while tokens:
+        token = tokens.pop(0)
+        if extra:
+            extra.append(token)
+        elif token == "--":
+            extra = tokens[:]
+            tokens.clear()
+            break
+        elif token in ("--seed", "--case") and tokens:
+            value = tokens.pop(0)
+            if token == "--case":
+                cases.append(value)
+            else:
+                try:
+                    seed = int(value)
+                except ValueError:
+                    print(f"conformance: --seed takes an integer, not {value!r}", file=sys.stderr)
+                    return 2
+        elif token.startswith("-"):
+            extra.append(token)
+        else:
+            names.append(token)
     if not names:
         print("conformance: name at least one backend (see `moe-runtime plugins`)",
               file=sys.stderr)
@@ -40,6 +68,9 @@ def run_conformance(args) -> int:
             "-p", "no:cacheprovider"]
     for name in names:
         argv += ["--moe-conformance", name]
+    argv += ["--moe-conformance-seed", str(seed)]
+    for case in cases:
+        argv += ["--moe-conformance-case", case]
     argv += extra
     code = pytest.main(argv)
     if code == 5:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import attrs
 import torch
 
 from moe_runtime import formats as F
@@ -14,7 +15,7 @@ from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, PlanError, plan_layer
 from moe_runtime.runtime import CommSetup, Dispatched, ExpertsSetup, LayerProblem
-from moe_runtime.testing.cases import DEFAULT_TOLERANCE, TOLERANCE, CommCase, ExpertsCase, Shape
+from moe_runtime.testing.cases import CommCase, ExpertsCase, Shape, TokenBoundCase, case_seed
 
 KERNEL_MODULES = ("triton", "flashinfer", "deep_ep", "cutlass", "deep_gemm")
 
@@ -40,15 +41,17 @@ def routing(shape: Shape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return ids, w.float()
 
 
-def make_layer(case: ExpertsCase, gen: torch.Generator):
-    """Random float weights and inputs for a case, quantized to the case's format."""
-    from moe_runtime.formats import BUILTIN_FORMATS
+def _reference_format(registry: Registry | None, fmt: str) -> str:
+    """The built-in format the suite quantizes and references ``fmt`` as (itself if built-in)."""
+    if registry is None or fmt not in registry.formats:
+        return fmt
+    return F.builtin_twin(registry.formats[fmt].spec)
+
+
+def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | None = None):
+    """Random float weights and inputs for a case, quantized to the case's format's storage."""
     from moe_runtime.reference_math import quantize_expert_weights
 
-    if case.format not in {f.name for f in BUILTIN_FORMATS}:
-        raise ConformanceSkip(
-            f"format {case.format!r} is registered by a plugin; the suite can only make weights "
-            "of the built-in formats (bf16, fp16, fp8_w8a8, nvfp4_w4a4, nvfp4_w4a16)")
     s = case.shape
     h, i, e = s.hidden, s.intermediate, s.experts
     w13 = torch.randn((e, 2 * i, h), generator=gen) / h**0.5
@@ -62,61 +65,237 @@ def make_layer(case: ExpertsCase, gen: torch.Generator):
     inter = act * up
     a2_amax = torch.maximum(inter.abs().max() if s.tokens else torch.tensor(1.0),
                             torch.tensor(1e-3))
-    weights = quantize_expert_weights(w13, w2, case.format, case.activation,
+    twin = _reference_format(registry, case.format)
+    weights = quantize_expert_weights(w13, w2, twin, case.activation,
                                       a13_amax=a13_amax, a2_amax=a2_amax)
     return weights, hidden
 
 
-def _dtype_for(fmt: str) -> torch.dtype:
-    return torch.float16 if fmt == F.FP16 else torch.bfloat16
+def model_dtype(registry: Registry | None, fmt: str) -> torch.dtype:
+    """The activation dtype a layer of ``fmt`` is tried in: its own 16-bit storage, else bf16."""
+    spec = registry.formats[fmt].spec if registry is not None and fmt in registry.formats else (
+        {f.name: f for f in F.BUILTIN_FORMATS}[fmt])
+    return torch.float16 if spec.stored_as.element == "float16" else torch.bfloat16
 
 
 def device_for(hardware, env: Environment) -> str:
     return "cuda" if env.device == "cuda" and "cuda" in hardware.devices else "cpu"
 
 
-def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment) -> dict:
-    """Run one declared combination on the backend and on the reference; return the errors."""
+# --------------------------------------------------------------------------- error budgets
+# The budget of a case is measured, not picked per format: a legitimate low-precision emulation of
+# the same computation (model-dtype rounding of GEMM 1's output, of the gated intermediate before
+# GEMM 2 and its activation quantization, of each expert's output and of the result) is run on the
+# same inputs, and a backend may be off by at most BUDGET_MULTIPLE times its error plus one
+# rounding of the model dtype. A bias check then catches systematic errors that the maximum hides.
+
+BUDGET_MULTIPLE = 3.0
+SCALE_BOUND = 2.5e-3  # |<out,ref>/<ref,ref> - 1| allowed beyond the emulation's own (1% fails)
+COLUMN_BOUND = 5e-3  # mean signed error of a column / rms(ref), beyond noise
+RELIABLE_SCALE = 6e-3  # a bias check whose bound would exceed this on a case is not applied
+MIN_ELEMENTS_FOR_SCALE = 4096
+MIN_ROWS_FOR_COLUMNS = 256
+
+
+def emulate_low_precision(weights, hidden, ids, tw, run_as: str, dtype: torch.dtype, *,
+                          stage_weights: bool = False):
+    """The layer as an honest kernel in ``dtype`` would compute it (token-major, float32 out).
+
+    ``stage_weights`` also rounds the dequantized weights to ``dtype`` (a dequantize-to-16-bit
+    staging path, as W4A16 kernels do; the suite uses it only for formats that do not quantize
+    activations, whose kernels compute on exact quantized operands)."""
+    from moe_runtime.reference_math import (
+        _activate,
+        _quantize_activation,
+        _run_format,
+        dequantize_expert_weights,
+    )
+
+    fmt = _run_format(weights, run_as)
+    w13, w2 = dequantize_expert_weights(weights, torch.float32)
+    if stage_weights:
+        w13, w2 = w13.to(dtype).float(), w2.to(dtype).float()
+    i = weights.intermediate_size
+    x = _quantize_activation(hidden.to(dtype), fmt, weights.a13_scale)
+    out = torch.zeros((hidden.shape[0], weights.hidden_size), dtype=torch.float32)
+    for e in range(weights.num_experts):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        gu = (x[rows] @ w13[e].T).to(dtype).float()
+        inter = (_activate(gu[:, :i], weights.activation) * gu[:, i:]).to(dtype).float()
+        inter = _quantize_activation(inter, fmt, weights.a2_scale)
+        y = (inter @ w2[e].T).to(dtype).float()
+        out.index_add_(0, rows, y * tw[rows, slots].float().unsqueeze(1))
+    return out.to(dtype).float()
+
+
+def quantization_envelope(weights, hidden, ids, tw, run_as: str, dtype: torch.dtype):
+    """How far an honest kernel may land from the reference through the format's own activation
+    quantization: an intermediate value within one model-dtype rounding (relative ``eps``) of a
+    quantization threshold may round to the neighbouring code, and a block's scale may move with
+    its largest element. Per output element, the sum of the largest such steps over a few
+    perturbations (all up, all down, random signs) through GEMM 2 (``[N, H]``, float32; zero for
+    formats that do not quantize activations)."""
+    from moe_runtime.reference_math import (
+        _activate,
+        _format,
+        _quantize_activation,
+        _run_format,
+        dequantize_expert_weights,
+    )
+
+    fmt = _run_format(weights, run_as)
+    out = torch.zeros((hidden.shape[0], weights.hidden_size), dtype=torch.float32)
+    if _format(fmt).activation_payload == F.UNQUANTIZED:
+        return out
+    eps = torch.finfo(dtype).eps
+    w13, w2 = dequantize_expert_weights(weights, torch.float32)
+    i = weights.intermediate_size
+    x = _quantize_activation(hidden.float(), fmt, weights.a13_scale)
+    for e in range(weights.num_experts):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        gu = x[rows] @ w13[e].T
+        inter = _activate(gu[:, :i], weights.activation) * gu[:, i:]
+        q = _quantize_activation(inter, fmt, weights.a2_scale)
+        gen = torch.Generator().manual_seed(e)
+        signs = [torch.ones_like(inter), -torch.ones_like(inter)] + [
+            torch.randint(0, 2, inter.shape, generator=gen).float() * 2 - 1 for _ in range(2)]
+        step = torch.zeros_like(inter)
+        for sign in signs:
+            moved = _quantize_activation(inter * (1 + eps * sign), fmt, weights.a2_scale)
+            step = torch.maximum(step, (moved - q).abs())
+        y = step @ w2[e].abs().T
+        out.index_add_(0, rows, y * tw[rows, slots].float().abs().unsqueeze(1))
+    return out
+
+
+def _stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    if ref.numel() == 0:
+        return {"max": 0.0, "scale": 1.0, "rms": 0.0, "columns": 0.0}
+    scale = max(ref.abs().max().item(), 1e-12)
+    err = out - ref
+    rms_ref = max(ref.pow(2).mean().sqrt().item(), 1e-12)
+    lsq = (out * ref).sum().item() / max(ref.pow(2).sum().item(), 1e-30)
+    return {
+        "max": err.abs().max().item() / scale,
+        "scale": lsq,
+        "rms": err.pow(2).mean().sqrt().item() / rms_ref,
+        "columns": err.mean(0).abs().max().item() / rms_ref,
+    }
+
+
+def error_budget(emul: dict, numel: int, rows: int, dtype: torch.dtype,
+                 envelope: float = 0.0) -> dict:
+    """Bounds derived from the emulation's own errors on the same inputs, the format's activation
+    quantization envelope (relative to the reference's range) and the sample size."""
+    ulp = torch.finfo(dtype).eps / 2  # one rounding to the model dtype, relative
+    noise = emul["rms"] / max(numel, 1) ** 0.5
+    scale_bound = SCALE_BOUND + 3 * abs(emul["scale"] - 1) + 4 * noise
+    column_bound = COLUMN_BOUND + 3 * emul["columns"] + 4 * emul["rms"] / max(rows, 1) ** 0.5
+    return {
+        "max": BUDGET_MULTIPLE * emul["max"] + envelope + ulp,
+        "scale": scale_bound if (scale_bound <= RELIABLE_SCALE
+                                 and numel >= MIN_ELEMENTS_FOR_SCALE) else None,
+        "columns": column_bound if rows >= MIN_ROWS_FOR_COLUMNS else None,
+    }
+
+
+def judge(case_id: str, got: torch.Tensor, ref: torch.Tensor, emuls: list[torch.Tensor],
+          dtype: torch.dtype, envelope: torch.Tensor | None = None) -> dict:
+    """Compare the backend with the reference under the budgets; ``failures`` lists each miss.
+
+    The budgets come from the worst of the legitimate emulations ``emuls`` on the same inputs."""
+    mine = _stats(got, ref)
+    each = [_stats(e, ref) for e in emuls]
+    honest = {k: max(st[k] for st in each) for k in ("max", "rms", "columns")}
+    honest["scale"] = max((st["scale"] for st in each), key=lambda v: abs(v - 1))
+    rows = int(ref.shape[0]) if ref.dim() else 0
+    env = 0.0
+    if envelope is not None and envelope.numel():
+        env = envelope.max().item() / max(ref.abs().max().item(), 1e-12)
+    budget = error_budget(honest, ref.numel(), rows, dtype, env)
+    failures = []
+    if mine["max"] > budget["max"]:
+        failures.append(
+            f"max error {mine['max']:.3e} of the reference's range exceeds the budget "
+            f"{budget['max']:.3e} ({BUDGET_MULTIPLE:g} x the low-precision emulation's "
+            f"{honest['max']:.3e}" + (f" + activation-quantization envelope {env:.3e}" if env
+                                       else "")
+            + f" + one {str(dtype).replace('torch.', '')} rounding)")
+    if budget["scale"] is not None and abs(mine["scale"] - 1) > budget["scale"]:
+        failures.append(
+            f"bias: least-squares scale <out,ref>/<ref,ref> = {mine['scale']:.5f}, off by "
+            f"{abs(mine['scale'] - 1):.2e}; the bound is {budget['scale']:.2e} (the emulation is "
+            f"off by {abs(honest['scale'] - 1):.2e} on {ref.numel()} elements)")
+    if budget["columns"] is not None and mine["columns"] > budget["columns"]:
+        failures.append(
+            f"bias: a column's mean signed error is {mine['columns']:.2e} of rms(ref); the bound "
+            f"is {budget['columns']:.2e} (emulation {honest['columns']:.2e}, {rows} rows)")
+    return {"error": mine["max"], "tolerance": budget["max"], "scale": mine["scale"],
+            "scale_bound": budget["scale"], "columns": mine["columns"],
+            "columns_bound": budget["columns"], "emulation_error": honest["max"],
+            "failures": failures, "ratio": mine["max"] / budget["max"] if budget["max"] else 0.0}
+
+
+def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
+                     seed: int = 0) -> dict:
+    """Run one declared combination on the backend, the reference and the emulation; judge it."""
     spec = registry.experts_spec(case.backend)
     support = spec.supports[case.support_index]
+    dtype = model_dtype(registry, case.format)
     problem = LayerProblem("conformance.layer", case.format, case.activation, case.shape.experts,
                            case.shape.top_k, case.shape.hidden, case.shape.intermediate,
-                           dtype=str(_dtype_for(case.format)).replace("torch.", ""))
+                           dtype=str(dtype).replace("torch.", ""))
     failure = support.hardware.check(env)
     if not failure:
         raise ConformanceSkip(
             f"{case.backend} declares {case.format} on {support.hardware.describe_capabilities()}"
             f" ({', '.join(sorted(support.hardware.devices))}); this machine: {failure.message}")
     device = device_for(support.hardware, env)
-    gen = torch.Generator().manual_seed(hash(case.id) % (2**31))
-    weights, hidden_f = make_layer(case, gen)
-    dtype = _dtype_for(case.format)
+    gen = torch.Generator().manual_seed(case_seed(case.id, seed))
+    weights, hidden_f = make_layer(case, gen, registry)
     hidden = hidden_f.to(dtype)
     ids, tw = routing(case.shape, gen)
 
-    def run(backend_name: str, payload: str, dev: str):
+    def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x):
         bspec = registry.experts_spec(backend_name)
-        setup = ExpertsSetup(problem=problem, runs_as=case.runs_as, payload=payload,
-                             layout=case.layout, device=dev)
+        setup = ExpertsSetup(problem=attrs.evolve(problem, format=w.format), runs_as=runs_as,
+                             payload=payload, layout=case.layout, device=dev)
         backend = load_factory(bspec.factory)(setup=setup)
-        backend.prepare(weights.to(dev))
-        d, handle, comm = _dispatch_locally(problem, case.layout, hidden.to(dev), ids.to(dev),
+        backend.prepare(w.to(dev))
+        d, handle, comm = _dispatch_locally(problem, case.layout, x.to(dev), ids.to(dev),
                                             tw.to(dev))
-        d = _with_payload(d, payload, weights)
+        d = _with_payload(d, payload, w)
         out = backend.forward(d)
         return comm.combine(out, handle).float().cpu()
 
-    got = run(case.backend, case.payload, device)
-    ref = run("reference", F.UNQUANTIZED, "cpu")
+    # the backend gets the weights under the case's own format name; the reference its twin's
+    labelled = attrs.evolve(weights, format=case.format)
+    got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden)
+    ref_runs_as = _reference_format(registry, case.runs_as)
+    ref = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float())
     if got.shape != ref.shape:
         raise AssertionError(f"{case.id}: output shape {tuple(got.shape)}, reference "
                              f"{tuple(ref.shape)}")
     if not torch.isfinite(got).all():
         raise AssertionError(f"{case.id}: output has NaN or inf")
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    err = (got - ref).abs().max().item() / max(scale, 1e-6) if ref.numel() else 0.0
-    tol = TOLERANCE.get(case.runs_as, DEFAULT_TOLERANCE)
-    return {"error": err, "tolerance": tol, "device": device}
+    valid = torch.where(ids >= 0, ids, weights.num_experts)  # remote slots match no expert
+    weight_only = registry.formats[case.runs_as].spec.activation_payload == F.UNQUANTIZED
+    emuls = [emulate_low_precision(weights, hidden, valid, tw, ref_runs_as, dtype,
+                                   stage_weights=staged)
+             for staged in ((False, True) if weight_only else (False,))]
+    envelope = quantization_envelope(weights, hidden, valid, tw, ref_runs_as, dtype)
+    result = judge(case.id, got, ref, emuls, dtype, envelope)
+    result["device"] = device
+    return result
+
+
+def replay_command(backend: str, case_id: str, seed: int) -> str:
+    seed_opt = f" --seed {seed}" if seed else ""
+    return f"moe-runtime conformance {backend}{seed_opt} --case '{case_id}'"
 
 
 def _dispatch_locally(problem, layout, hidden, ids, tw):
@@ -151,7 +330,8 @@ def _with_payload(d: Dispatched, payload: str, weights) -> Dispatched:
 def check_refusal(registry: Registry, case) -> str:
     """Plan the undeclared combination with the backend pinned; return the refusal's reason."""
     env = Environment.for_target(case.environment)
-    problem = LayerProblem("conformance.layer", case.format, case.activation, 8, 2, 128, 64)
+    problem = LayerProblem("conformance.layer", case.format, case.activation, 8, 2, case.hidden,
+                           case.intermediate)
     try:
         lp, _ = plan_layer(problem, registry=registry, environment=env,
                            deployment=Deployment(experts_backend=case.backend))
@@ -178,34 +358,61 @@ def identity_experts(d: Dispatched) -> torch.Tensor:
         d.out_dtype or torch.float32)
 
 
+# Token patterns every communication case runs through, in one process group.
+COMM_SCENARIOS = ("at_bound", "random_with_an_empty_rank", "all_on_rank_0")
+_COMM_EXPERTS, _COMM_TOP_K, _COMM_HIDDEN = 8, 2, 64
+
+
+def _comm_tokens(case: CommCase, scenario: str, rank: int, gen: torch.Generator):
+    world, e = case.world_size, _COMM_EXPERTS
+    if scenario == "at_bound":  # every rank sends the mode's declared bound
+        n = case.tokens
+    elif scenario == "random_with_an_empty_rank":
+        n = 0 if (world > 1 and rank == 1) else 5 + 3 * rank
+    else:  # every token on rank 0, routed to the experts rank 0 holds
+        n = min(case.tokens, 37) if rank == 0 else 0
+    x = torch.randn((n, _COMM_HIDDEN), generator=gen)
+    pool = e if scenario != "all_on_rank_0" else max(e // world, _COMM_TOP_K)
+    ids = torch.rand((n, pool), generator=gen).topk(_COMM_TOP_K, dim=-1).indices.to(torch.int32)
+    w = torch.rand((n, _COMM_TOP_K), generator=gen)
+    return x, ids, w
+
+
 def comm_round_trip(registry: Registry, case: CommCase, rank: int, group, device: str,
-                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch then combine through identity experts: returns (got, expected) on this rank."""
+                    seed: int = 0) -> dict[str, float]:
+    """Dispatch then combine through identity experts for every scenario; the max error of each."""
     spec = registry.comm_spec(case.backend)
+    mode = next(s for s in spec.supports if s.mode == case.mode)
     problem = LayerProblem("conformance.comm", F.FP8_W8A8 if case.payload == F.FP8 else F.BF16,
-                           F.SILU, 8, 2, 64, 32, dtype="float32")
+                           F.SILU, _COMM_EXPERTS, _COMM_TOP_K, _COMM_HIDDEN, 32, dtype="float32")
+    bound = mode.max_tokens_per_rank if mode.max_tokens_per_rank is not None else case.tokens
     setup = CommSetup(problem=problem, payload=case.payload, layout=case.layout, ep_rank=rank,
                       ep_size=case.world_size, device=device, group=group,
-                      max_tokens_per_rank=64)
+                      max_tokens_per_rank=bound)
     comm = load_factory(spec.factory)(setup=setup)
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    n = 0 if rank == 1 else 5 + 3 * rank  # a rank with no tokens at all must work too
-    x = torch.randn((n, 64), generator=gen)
-    ids = torch.rand((n, 8), generator=gen).topk(2, dim=-1).indices.to(torch.int32)
-    w = torch.rand((n, 2), generator=gen)
-    scale = torch.tensor(6.0 / 448.0)  # a layer's static input scale: the same on every rank
-    x, ids, w, scale = x.to(device), ids.to(device), w.to(device), scale.to(device)
-    d, handle = comm.dispatch(x, ids, w, input_scale=scale)
-    got = comm.combine(identity_experts(d), handle).float()
-    xin = x
-    if case.payload == F.FP8:
-        from moe_runtime.quant.fp8 import fake_quantize_fp8
+    errors = {}
+    for scenario in COMM_SCENARIOS:
+        gen = torch.Generator().manual_seed(case_seed(f"{case.id}/{scenario}/{rank}", seed))
+        x, ids, w = _comm_tokens(case, scenario, rank, gen)
+        scale = torch.tensor(6.0 / 448.0)  # a layer's static input scale: the same on every rank
+        x, ids, w, scale = x.to(device), ids.to(device), w.to(device), scale.to(device)
+        d, handle = comm.dispatch(x, ids, w, input_scale=scale)
+        got = comm.combine(identity_experts(d), handle).float().cpu()
+        xin = x
+        if case.payload == F.FP8:
+            from moe_runtime.quant.fp8 import fake_quantize_fp8
 
-        xin = fake_quantize_fp8(x, scale).float()
-    return got.cpu(), (xin * w.sum(-1, keepdim=True)).cpu()
+            xin = fake_quantize_fp8(x, scale).float()
+        expected = (xin * w.sum(-1, keepdim=True)).cpu()
+        if got.shape != expected.shape:
+            errors[scenario] = float("inf")
+            errors[scenario + ":shape"] = f"{tuple(got.shape)} != {tuple(expected.shape)}"
+            continue
+        errors[scenario] = (got - expected).abs().max().item() if got.numel() else 0.0
+    return errors
 
 
-def _comm_worker(rank, world, port, registry_kwargs, case, queue):
+def _comm_worker(rank, world, port, registry_kwargs, case, seed, queue):
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -213,28 +420,28 @@ def _comm_worker(rank, world, port, registry_kwargs, case, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         reg = Registry.load(**registry_kwargs)
-        got, exp = comm_round_trip(reg, case, rank, None, "cpu")
-        queue.put((rank, (got - exp).abs().max().item() if got.numel() else 0.0, None))
+        queue.put((rank, comm_round_trip(reg, case, rank, None, "cpu", seed), None))
     except Exception as exc:  # reported to the parent test
         queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
     finally:
         dist.destroy_process_group()
 
 
-def run_comm_case(registry: Registry, case: CommCase, env: Environment) -> list[float]:
-    """Round-trip errors per rank (in-process for one rank, gloo processes for more)."""
+def run_comm_case(registry: Registry, case: CommCase, env: Environment,
+                  seed: int = 0) -> list[dict[str, float]]:
+    """Round-trip errors per rank and scenario (in-process for one rank, gloo processes else)."""
     spec = registry.comm_spec(case.backend)
     mode = next(s for s in spec.supports if s.mode == case.mode)
     failure = mode.hardware.check(env)
     if not failure:
         raise ConformanceSkip(f"{case.backend} mode {case.mode}: {failure.message}")
     if case.world_size == 1:
-        got, exp = comm_round_trip(registry, case, 0, None, device_for(mode.hardware, env))
-        return [(got - exp).abs().max().item() if got.numel() else 0.0]
+        return [comm_round_trip(registry, case, 0, None, device_for(mode.hardware, env), seed)]
     if "cpu" not in mode.hardware.devices:
         raise ConformanceSkip(
             f"{case.backend} mode {case.mode} with {case.world_size} ranks needs "
             f"{case.world_size} GPUs; the suite runs multi-rank cases on CPU (gloo) only")
+    import queue as queue_mod
     import socket
 
     import torch.multiprocessing as mp
@@ -244,17 +451,53 @@ def run_comm_case(registry: Registry, case: CommCase, env: Environment) -> list[
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_comm_worker, args=(r, case.world_size, port, {}, case, queue))
+    procs = [ctx.Process(target=_comm_worker,
+                         args=(r, case.world_size, port, {}, case, seed, queue))
              for r in range(case.world_size)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = [queue.get(timeout=180) for _ in procs]
+    except queue_mod.Empty:
+        raise AssertionError(f"{case.id}: a rank did not answer within 180 s (hung in dispatch "
+                             "or combine?)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     errors = [r for r in results if r[2]]
     if errors:
         raise AssertionError(f"{case.id}: rank {errors[0][0]} failed: {errors[0][2]}")
-    return [r[1] for r in sorted(results)]
+    return [r[1] for r in sorted(results, key=lambda r: r[0])]
+
+
+def check_token_bound(registry: Registry, case: TokenBoundCase) -> str:
+    """Plan a batch one past the mode's bound: the planner must not hand it to this mode.
+
+    Returns how it was handled: ``"refused"`` (a ``token_bound`` refusal) or the mode it chose.
+    """
+    problem = LayerProblem("conformance.comm", F.BF16, F.SILU, 8, 2, 64, 32)
+    spec = registry.comm_spec(case.backend)
+    mode = next(s for s in spec.supports if s.mode == case.mode)
+    env = Environment.for_target("cpu" if "cpu" in mode.hardware.devices else "cuda:9.0")
+    dep = Deployment(ep_size=case.world_size, comm_backend=case.backend,
+                     max_tokens_per_rank=case.bound + 1)
+    try:
+        lp, _ = plan_layer(problem, registry=registry, environment=env, deployment=dep)
+    except PlanError as exc:
+        own = [r for r in exc.rejections if r.backend == case.backend]
+        if own and all(r.reason.value in ("token_bound", "no_common_layout",
+                                           "unsupported_payload") for r in own):
+            return "refused"
+        raise AssertionError(f"{case.id}: planning {case.bound + 1} tokens per rank failed "
+                             f"for another reason: {exc}") from exc
+    chosen = lp.mode_for(case.bound + 1)
+    if chosen.comm_mode == case.mode:
+        raise AssertionError(
+            f"{case.id}: the planner gives a batch of {case.bound + 1} tokens per rank to mode "
+            f"{case.mode}, which declares at most {case.bound}")
+    return chosen.comm_mode
 
 
 def imports_of_entry_point(backend: str) -> list[str]:

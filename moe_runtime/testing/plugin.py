@@ -16,6 +16,10 @@ def pytest_addoption(parser):
     group = parser.getgroup("moe-runtime conformance")
     group.addoption("--moe-conformance", action="append", default=[], metavar="NAME",
                     help="backend(s) to run the moe-runtime conformance suite on")
+    group.addoption("--moe-conformance-seed", type=int, default=0, metavar="N",
+                    help="seed of the case inputs (default 0; each case hashes its id with it)")
+    group.addoption("--moe-conformance-case", action="append", default=[], metavar="CASE_ID",
+                    help="run only the case(s) with this id (the replay command of a failure)")
     parser.addini("moe_conformance", "backends to run the moe-runtime conformance suite on",
                   type="args", default=[])
 
@@ -56,23 +60,40 @@ def _selected(metafunc) -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    from moe_runtime.testing.cases import comm_cases, experts_cases, refusal_cases
+    from moe_runtime.testing.cases import (
+        comm_cases,
+        experts_cases,
+        refusal_cases,
+        token_bound_cases,
+    )
 
-    wanted = {"experts_case", "refusal_case", "comm_case", "conformance_backend"}
+    wanted = {"experts_case", "refusal_case", "comm_case", "token_bound_case",
+              "conformance_backend"}
     if not wanted & set(metafunc.fixturenames):
         return
     reg = _registry()
     names = _selected(metafunc)
-    if "experts_case" in metafunc.fixturenames:
-        cases = [c for n in names if n in reg.experts for c in experts_cases(reg, reg.experts_spec(n))]
-        metafunc.parametrize("experts_case", cases, ids=[c.id for c in cases])
-    if "refusal_case" in metafunc.fixturenames:
-        cases = [c for n in names if n in reg.experts
-                 for c in refusal_cases(reg, reg.experts_spec(n))]
-        metafunc.parametrize("refusal_case", cases, ids=[c.id for c in cases])
-    if "comm_case" in metafunc.fixturenames:
-        cases = [c for n in names if n in reg.comms for c in comm_cases(reg, reg.comm_spec(n))]
-        metafunc.parametrize("comm_case", cases, ids=[c.id for c in cases])
+    only = set(metafunc.config.getoption("moe_conformance_case") or ())
+
+    def param(fixture, make, table):
+        if fixture not in metafunc.fixturenames:
+            return
+        cases = [c for n in names if n in table for c in make(reg, table[n].spec)]
+        if only:
+            cases = [c for c in cases if c.id in only]
+        if not cases:
+            why = (f"no case of {fixture} has an id in {sorted(only)}" if only else
+                   f"the declaration of {', '.join(names)} gives no {fixture} (nothing of that "
+                   "kind is declared)")
+            metafunc.parametrize(fixture, [pytest.param(None, marks=pytest.mark.skip(why))],
+                                 ids=["none-declared"])
+            return
+        metafunc.parametrize(fixture, cases, ids=[c.id for c in cases])
+
+    param("experts_case", experts_cases, reg.experts)
+    param("refusal_case", refusal_cases, reg.experts)
+    param("comm_case", comm_cases, reg.comms)
+    param("token_bound_case", token_bound_cases, reg.comms)
     if "conformance_backend" in metafunc.fixturenames:
         metafunc.parametrize("conformance_backend", names)
 
@@ -85,3 +106,8 @@ def conformance_registry() -> Registry:
 @pytest.fixture(scope="session")
 def conformance_environment() -> Environment:
     return _environment()
+
+
+@pytest.fixture(scope="session")
+def conformance_seed(request) -> int:
+    return int(request.config.getoption("moe_conformance_seed") or 0)

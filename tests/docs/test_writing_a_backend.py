@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from moe_runtime.testing.cases import TOLERANCE
+from moe_runtime.testing import harness
 from moe_runtime.testing.dists import pip_install_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,9 +119,19 @@ def test_page_python_snippets_run():
         exec(compile(block.body, f"{PAGE.name} snippet {i + 1}", "exec"), {"__name__": "snippet"})
 
 
-def test_page_tolerance_table_is_the_suites():
-    rows = re.findall(r"^\s*\| `(\w+)` \| ([0-9.]+e-?\d+) \|$", PAGE.read_text(), re.M)
-    assert {name: float(tol) for name, tol in rows} == TOLERANCE
+def test_page_budget_table_states_the_suites_constants():
+    text = PAGE.read_text()
+    table = text[text.index("| check | bound |"):]
+    table = table[:table.index("\n\n")]
+    def sci(v):
+        return f"{v:.1e}".replace("e-0", "e-").replace(".0e", "e")
+
+    assert f"`{harness.BUDGET_MULTIPLE:g}` x the worst emulation" in table
+    assert f"`{sci(harness.SCALE_BOUND)}` of 1" in table
+    assert f"under `{sci(harness.RELIABLE_SCALE)}`" in table
+    assert f"at least {harness.MIN_ELEMENTS_FOR_SCALE} elements" in table
+    assert f"`{sci(harness.COLUMN_BOUND)}` plus" in table
+    assert f"at least {harness.MIN_ROWS_FOR_COLUMNS} rows" in table
 
 
 def test_page_refusal_example_is_generated_from_the_declaration():

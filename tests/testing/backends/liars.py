@@ -1,0 +1,64 @@
+"""Deliberately wrong backends, each wrong in one declared respect (the suite must fail them).
+
+Each is a subclass of the reference backend that changes one thing; the conformance test
+installs each as its own plugin distribution."""
+
+import attrs
+
+from moe_runtime.backends.local import LocalComm
+from moe_runtime.backends.reference import ReferenceExperts
+
+
+class ScaledOutput(ReferenceExperts):
+    """Every output 1% too large: a systematic error inside the old per-format tolerances."""
+
+    def forward(self, d):
+        return super().forward(d) * 1.01
+
+
+class DroppedRemainderColumns(ReferenceExperts):
+    """Declares any hidden size but computes only the columns up to the last multiple of 16."""
+
+    def forward(self, d):
+        out = super().forward(d).clone()
+        keep = out.shape[-1] // 16 * 16
+        out[..., keep:] = 0
+        return out
+
+
+class WrongBlockScale(ReferenceExperts):
+    """NVFP4 block scales read one block off (each row's scales rotated by one)."""
+
+    def prepare(self, weights):
+        if weights.w13_scale is not None and weights.w13_scale.dim() == 3:
+            weights = attrs.evolve(weights, w13_scale=weights.w13_scale.roll(1, dims=-1),
+                                   w2_scale=weights.w2_scale.roll(1, dims=-1))
+        super().prepare(weights)
+
+
+class IgnoredRoutingWeights(ReferenceExperts):
+    """Averages a token's experts instead of weighting them by the router."""
+
+    def forward(self, d):
+        if d.topk_weights is not None:
+            valid = (d.topk_ids >= 0).float()
+            d = attrs.evolve(d, topk_weights=valid / valid.sum(-1, keepdim=True).clamp(min=1))
+        return super().forward(d)
+
+
+class WrongActivation(ReferenceExperts):
+    """Declares gelu, runs silu for every layer."""
+
+    def prepare(self, weights):
+        super().prepare(attrs.evolve(weights, activation="silu"))
+
+
+class ShortComm(LocalComm):
+    """Declares 128 tokens per rank, carries 64: the rest come back as zeros."""
+
+    CARRIES = 64
+
+    def combine(self, expert_out, handle):
+        out = super().combine(expert_out, handle).clone()
+        out[self.CARRIES:] = 0
+        return out

@@ -1,0 +1,155 @@
+"""Proof that the conformance suite has teeth: backends wrong in one declared respect fail it,
+an honest backend written apart from the reference passes it.
+
+Each backend is a real plugin distribution (metadata and an entry point in the ``moe_runtime``
+group), installed into a folder put on ``PYTHONPATH``, and checked by ``moe-runtime conformance``
+as a third party would run it. The wrong ones are in ``backends/liars.py``; none of the suite's
+checks knows them: the budgets follow from the formats and the declarations.
+"""
+
+from __future__ import annotations
+
+import collections
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from moe_runtime.testing.dists import build_plugin_dist, pip_install_target, run_cli
+
+HERE = Path(__file__).parent / "backends"
+ALL = '["bf16", "fp16", "fp8_w8a8", "nvfp4_w4a16", "nvfp4_w4a4"]'
+
+# backend name -> (implementation class, declaration); each wrong in the respect its name says
+LIARS = {
+    "liar_scaled_output": ("ScaledOutput", f"Support(formats={ALL}, hardware=CPU)"),
+    "liar_dropped_columns": ("DroppedRemainderColumns",
+                             'Support(formats=["bf16"], shape_multiple=1, hardware=CPU)'),
+    "liar_block_scale": ("WrongBlockScale",
+                         'Support(formats=["nvfp4_w4a16", "nvfp4_w4a4"], hardware=CPU)'),
+    "liar_routing_weights": ("IgnoredRoutingWeights",
+                             'Support(formats=["bf16", "fp8_w8a8"], hardware=CPU)'),
+    "liar_activation": ("WrongActivation",
+                        'Support(formats=["bf16"], activations=["silu", "gelu"], hardware=CPU)'),
+}
+HONEST = ("HonestExperts", f'Support(formats={ALL}, activations=["silu", "gelu"], '
+          'layouts=["token_major", "masked"], payloads=["unquantized", "fp8"], hardware=CPU)')
+
+EXPERTS_PLUGIN = '''
+    from moe_runtime import ExpertsBackendSpec, Hardware, Support, hookimpl
+
+    CPU = Hardware(devices=["cpu"])
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(ExpertsBackendSpec(name="{name}", factory="{module}.impl:{cls}", priority=-5,
+                                    supports=[{support}]))
+'''
+
+COMM_PLUGIN = '''
+    from moe_runtime import CommBackendSpec, CommSupport, Hardware, hookimpl
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(CommBackendSpec(
+            name="liar_short_comm", factory="liar_short_comm.impl:ShortComm", priority=-5,
+            supports=[CommSupport(layout="token_major", max_world_size=1, max_tokens_per_rank=128,
+                                  hardware=Hardware(devices=["cpu"]), mode="short")]))
+'''
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("teeth")
+    liars = (HERE / "liars.py").read_text()
+    srcs = []
+    for name, (cls, support) in LIARS.items():
+        code = EXPERTS_PLUGIN.format(name=name, module=name, cls=cls, support=support)
+        srcs.append(build_plugin_dist(root, f"moe-runtime-{name}", name, name, code,
+                                      {"impl": liars}))
+    code = EXPERTS_PLUGIN.format(name="honest_bf16", module="honest_bf16", cls=HONEST[0],
+                                 support=HONEST[1])
+    srcs.append(build_plugin_dist(root, "moe-runtime-honest-bf16", "honest_bf16", "honest_bf16",
+                                  code, {"impl": (HERE / "honest_bf16.py").read_text()}))
+    srcs.append(build_plugin_dist(root, "moe-runtime-liar-short-comm", "liar_short_comm",
+                                  "liar_short_comm", COMM_PLUGIN, {"impl": liars}))
+    pip_install_target(srcs, root / "site")
+    return root / "site"
+
+
+def _outcomes(xml: Path) -> dict[str, dict[str, list[str]]]:
+    """backend -> {"passed": [case ids], "failed": [...], "skipped": [...]} from a junit report."""
+    by = collections.defaultdict(lambda: collections.defaultdict(list))
+    for tc in ET.parse(xml).getroot().iter("testcase"):
+        name = tc.get("name", "")
+        case = name[name.index("[") + 1:-1] if "[" in name else name
+        backend = case.split("-")[0]
+        kind = ("failed" if tc.find("failure") is not None or tc.find("error") is not None
+                else "skipped" if tc.find("skipped") is not None else "passed")
+        by[backend][kind].append(case)
+        if kind == "failed":
+            by[backend]["messages"].append((tc.find("failure") if tc.find("failure") is not None
+                                            else tc.find("error")).get("message", ""))
+    return by
+
+
+@pytest.fixture(scope="module")
+def verdicts(site, tmp_path_factory):
+    xml = tmp_path_factory.mktemp("junit") / "report.xml"
+    names = [*LIARS, "honest_bf16", "liar_short_comm"]
+    r = run_cli("conformance", *names, "--", "-q", f"--junitxml={xml}", "-p", "no:randomly",
+                site=site)
+    assert xml.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    return r, _outcomes(xml)
+
+
+def test_the_honest_backend_passes_every_declared_case(verdicts):
+    _, by = verdicts
+    honest = by["honest_bf16"]
+    assert not honest["failed"], honest["messages"][:3]
+    assert len(honest["passed"]) >= 150  # every format, activation, layout, payload and shape
+
+
+@pytest.mark.parametrize("name", sorted(LIARS))
+def test_a_backend_wrong_in_one_respect_fails_the_suite(verdicts, name):
+    r, by = verdicts
+    assert r.returncode != 0
+    assert by[name]["failed"], f"{name} passed every case: {by[name]['passed'][:5]}"
+
+
+def test_a_constant_one_percent_scale_fails_in_every_format(verdicts):
+    _, by = verdicts
+    failed = by["liar_scaled_output"]["failed"]
+    for fmt in ("bf16", "fp16", "fp8_w8a8", "nvfp4_w4a16", "nvfp4_w4a4"):
+        assert any(c.startswith(f"liar_scaled_output-{fmt}-") for c in failed), (fmt, failed)
+    assert any("bias: least-squares scale" in m for m in by["liar_scaled_output"]["messages"])
+
+
+def test_dropped_columns_are_caught_on_the_sizes_the_declaration_admits(verdicts):
+    _, by = verdicts
+    failed = by["liar_dropped_columns"]["failed"]
+    assert failed and all("not_multiple_of_16" in c or "smallest_sizes" in c for c in failed)
+
+
+def test_a_comm_mode_short_of_its_declared_bound_fails(verdicts):
+    _, by = verdicts
+    failed = by["liar_short_comm"]["failed"]
+    assert any("tokens128" in c for c in failed), failed
+
+
+def test_a_failure_names_the_case_the_budget_and_the_replay_command(verdicts):
+    _, by = verdicts
+    msg = next(m for m in by["liar_block_scale"]["messages"] if "budget" in m)
+    assert "liar_block_scale-nvfp4" in msg
+    assert "Replay: moe-runtime conformance liar_block_scale --case '" in msg
+
+
+def test_the_replay_command_runs_the_failing_case_alone(verdicts, site):
+    _, by = verdicts
+    case = by["liar_activation"]["failed"][0]
+    r = run_cli("conformance", "liar_activation", "--case", case, "--", "-q", site=site)
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert f"{case} (device cpu)" in r.stdout, r.stdout[-2000:]  # the failure names it
+    # the one case fails; only the entry-point check runs beside it
+    progress = r.stdout.strip().splitlines()[0].split()[0]  # one letter per test, e.g. "Fsss."
+    assert sorted(progress) == sorted("F.sss"), r.stdout[-2000:]
