@@ -348,7 +348,7 @@ def plan_layer(
                 for opt in opts:
                     if used and opt.runs_as != used[0].runs_as:
                         continue  # every mode of a layer runs the weights the same way
-                    if mode.layout not in opt.support.layouts:
+                    if not opt.support.check(p, layout=mode.layout):
                         continue
                     payload, why = _derive_payload(opt, mode, registry, dep.payload)
                     if payload is None:

@@ -35,3 +35,24 @@ def test_no_comparison_with_a_backend_name_literal():
     hits = [(rel, m.group(0)) for rel, text in _sources() for m in pattern.finditer(text)
             if not rel.endswith("testing/harness.py")]
     assert hits == []
+
+
+def test_the_matching_rule_is_written_once():
+    """Only the declaration records test a problem against a declaration (Support.check and
+    CommSupport.check); the planner, the suite and the plugins' guards call them."""
+    membership = re.compile(
+        r"(\bfor\s+\w+\s+)?\bin\s+[\w.]*\b(s|support|block|spec|mode|t)\."
+        r"(formats|activations|layouts|payloads)\b")
+    # iterating over what is declared is fine; so is the case generator listing the blocks that
+    # declare a format (it enumerates declarations, it does not match problems against them)
+    allowed = {("moe_runtime/testing/cases.py", "in t.formats")}
+    hits = [(rel, m.group(0)) for rel, text in _sources() for m in membership.finditer(text)
+            if rel != "moe_runtime/declarations.py" and not m.group(1)
+            and (rel, m.group(0)) not in allowed]
+    assert hits == []
+
+
+def test_no_capability_from_a_format_name_prefix():
+    prefix = re.compile(r"""\.startswith\(\s*['"](nvfp4|fp8|bf16|fp16|mxfp)""")
+    hits = [(rel, m.group(0)) for rel, text in _sources() for m in prefix.finditer(text)]
+    assert hits == []
