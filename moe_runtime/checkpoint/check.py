@@ -27,6 +27,7 @@ result is remembered per folder state, so the loaders that call it one after the
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -275,6 +276,7 @@ class _Check:
         self.scale_count = self.scale_bytes = 0
         self.scale_seconds = 0.0
         self.estimate: MemoryEstimate | None = None
+        self._stored_experts: dict[str, set[int]] | None = None
 
     def add(self, rule: str, where: str, problem: str, accepted: str = "") -> None:
         self.findings.append(Finding(rule, where, problem, accepted))
@@ -646,18 +648,34 @@ class _Check:
         return layers
 
     def _named_modules_exist(self, spec: QuantizationSpec) -> None:
-        modules: set[str] = set()
-        for name in self.tensors:
-            parts = canonical_name(name).split(".")[:-1]
-            for end in range(1, len(parts) + 1):
-                modules.add(".".join(parts[:end]))
-        absent = [e.key for e in spec.quantized_layers if canonical_name(e.key) not in modules]
+        if not spec.quantized_layers:
+            return
+        modules = sorted({canonical_name(n).rsplit(".", 1)[0] + "." for n in self.tensors})
+
+        def exists(key: str) -> bool:  # a module whose name is key, or starts with "key."
+            prefix = canonical_name(key) + "."
+            i = bisect.bisect_left(modules, prefix)
+            return i < len(modules) and modules[i].startswith(prefix)
+
+        absent = [e.key for e in spec.quantized_layers if not exists(e.key)]
         if absent:
             self.add("modules", spec.file_of("quantized_layers"),
                      f"quantized_layers names module {absent[0]!r}, which no tensor of the "
                      f"checkpoint belongs to{_more(len(absent) - 1, 'module')}",
                      "quantized_layers keys naming modules whose tensors are in the "
                      "safetensors files")
+
+    def stored_experts(self) -> dict[str, set[int]]:
+        """Expert indices the tensors hold, per experts container (one pass over the names)."""
+        if self._stored_experts is None:
+            found: dict[str, set[int]] = defaultdict(set)
+            pattern = re.compile(r"^(.*\.experts)\.(\d+)\.")
+            for name in self.tensors:
+                m = pattern.match(name)
+                if m:
+                    found[m.group(1)].add(int(m.group(2)))
+            self._stored_experts = found
+        return self._stored_experts
 
     def _layers_declared(self) -> None:
         """Every decoder layer the tensors hold is one the config declares (else the model would
@@ -706,9 +724,8 @@ class _Check:
             self.add("tensors", where, f"tensor {names[0]!r} {problem}"
                      + _more(len(names) - 1, "tensor"), accepted)
         # no expert beyond the config's count, and the router scores exactly the experts
-        pattern = re.compile(rf"^{re.escape(layer.name)}\.(\d+)\.")
-        beyond = sorted({int(m.group(1)) for t in self.tensors if (m := pattern.match(t))
-                         and int(m.group(1)) >= layer.num_experts})
+        beyond = sorted(e for e in self.stored_experts().get(layer.name, ())
+                        if e >= layer.num_experts)
         if beyond:
             self.add("tensors", where,
                      f"the tensors hold expert {beyond[-1]} but the config declares "
@@ -771,8 +788,33 @@ class _Check:
 
     # -------------------------------------------------------------------------- 7. scales
 
+    def _scan(self, np, mm, dtype: str, names: list[str], bad: dict[str, list[str]]) -> None:
+        """One vectorized test of the scales ``names`` (of one file and dtype); only when one
+        fails are the values decoded, again in one pass, to say what is wrong with each."""
+        names = [n for n in names if self.ranges[n][2] > self.ranges[n][1]]  # empty: nothing
+        if not names:
+            return
+        chunks = [mm[self.ranges[n][1]:self.ranges[n][2]] for n in names]
+        raw = np.concatenate(chunks)
+        self.scale_count += len(names)
+        self.scale_bytes += raw.size
+        ok = _POSITIVE[dtype](np, raw)
+        if ok.all():
+            return
+        counts = np.array([c.size // DTYPE_SIZES[dtype] for c in chunks])
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        failed = np.flatnonzero(~np.logical_and.reduceat(ok, starts))
+        values = _values(np, dtype, raw)
+        kinds = [(label, np.logical_or.reduceat(test(np, values), starts))
+                 for label, test in _SCALE_KINDS]
+        for j in failed:
+            said = [label for label, per_tensor in kinds if per_tensor[j]]
+            bad[" and ".join(said) or "values that are not finite and positive"].append(
+                names[int(j)])
+
     def check_scales(self) -> None:
-        """Every scale tensor finite and positive, in one vectorized pass per file and dtype."""
+        """Every scale tensor finite and positive: one vectorized pass per file and dtype, in
+        batches of at most 16 MiB."""
         import numpy as np
 
         start = time.perf_counter()
@@ -799,18 +841,8 @@ class _Check:
             for name in names:
                 groups[self.tensors[name].dtype].append(name)
             for dtype, group in groups.items():
-                chunks = [mm[self.ranges[n][1]:self.ranges[n][2]] for n in group]
-                raw = np.concatenate(chunks) if chunks else np.empty(0, np.uint8)
-                self.scale_count += len(group)
-                self.scale_bytes += raw.size
-                ok = _POSITIVE[dtype](np, raw)
-                if ok.all():
-                    continue
-                sizes = np.cumsum([c.size // DTYPE_SIZES[dtype] for c in chunks])
-                for j in np.unique(np.searchsorted(sizes, np.flatnonzero(~ok), side="right")):
-                    name = group[int(j)]
-                    lo = int(sizes[j - 1]) if j else 0
-                    bad[_scale_kind(np, dtype, raw, lo, int(sizes[j]))].append(name)
+                for batch in _batches(group, lambda n: self.ranges[n][2] - self.ranges[n][1]):
+                    self._scan(np, mm, dtype, batch, bad)
             del mm
         self.scale_seconds = time.perf_counter() - start
         for kind, names in bad.items():
@@ -822,6 +854,21 @@ class _Check:
 
 
 # ----------------------------------------------------------------------------- small helpers
+
+
+_BATCH_BYTES = 16 << 20  # scales tested at once: bounds the check's memory on large checkpoints
+
+
+def _batches(names: list[str], size_of) -> list[list[str]]:
+    out, batch, total = [], [], 0
+    for name in names:
+        size = size_of(name)
+        if batch and total + size > _BATCH_BYTES:
+            out.append(batch)
+            batch, total = [], 0
+        batch.append(name)
+        total += size
+    return out + ([batch] if batch else [])
 
 
 def _more(n: int, what: str = "") -> str:
@@ -916,33 +963,23 @@ _POSITIVE = {"F32": _f32_ok, "F16": _f16_ok, "F64": _f64_ok, "BF16": _bf16_ok,
              "F8_E4M3": _e4m3_ok, "F8_E5M2": _e5m2_ok}
 
 
-def _values(np, dtype: str, raw, lo: int, hi: int):
-    size = DTYPE_SIZES[dtype]
-    part = raw[lo * size:hi * size]
+def _values(np, dtype: str, raw):
+    """The scale bytes ``raw`` decoded as float32 (e4m3: only NaN, zero and the sign matter)."""
     if dtype == "F8_E4M3":
-        sign = np.where(part & 0x80, -1.0, 1.0)
-        nan = (part & 0x7F) == 0x7F
-        zero = (part & 0x7F) == 0
-        return np.where(nan, np.nan, np.where(zero, 0.0, sign))
+        out = np.where(raw & 0x80, np.float32(-1), np.float32(1))
+        out[(raw & 0x7F) == 0] = 0
+        out[(raw & 0x7F) == 0x7F] = np.nan
+        return out
     if dtype == "F8_E5M2":
-        v = (part.astype(np.uint16) << 8).view("<f2")
-        return v.astype(np.float32)
+        return (raw.astype(np.uint16) << 8).view("<f2").astype(np.float32)
     if dtype == "BF16":
-        return (part.view("<u2").astype(np.uint32) << 16).view("<f4")
-    return part.view({"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype])
+        return (raw.view("<u2").astype(np.uint32) << 16).view("<f4")
+    return raw.view({"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype])
 
 
-def _scale_kind(np, dtype: str, raw, lo: int, hi: int) -> str:
-    """What is wrong with the scale values ``raw[lo:hi]`` (elements): NaN, inf, zero, negative."""
-    v = _values(np, dtype, raw, lo, hi)
-    kinds = []
-    if np.isnan(v).any():
-        kinds.append("NaN")
-    if np.isinf(v).any():
-        kinds.append("infinite values")
-    if (v == 0).any():
-        kinds.append("zeros")
-    if (v < 0).any():
-        kinds.append("negative values")
-    return " and ".join(kinds) or "values that are not finite and positive"
-
+_SCALE_KINDS = (
+    ("NaN", lambda np, v: np.isnan(v)),
+    ("infinite values", lambda np, v: np.isinf(v)),
+    ("zeros", lambda np, v: v == 0),
+    ("negative values", lambda np, v: v < 0),
+)
