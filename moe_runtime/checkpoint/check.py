@@ -67,6 +67,10 @@ DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
                "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
                "I64": 8, "U64": 8, "F64": 8}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
+# config.json sizes every supported architecture builds its model from
+_SIZE_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size",
+                "max_position_embeddings")
 _SCALE_LEAF = re.compile(r"(?:^|_)scale(?:_\d+)?$")
 _LISTED = 3  # tensors named in one finding before "and N more"
 
@@ -386,6 +390,7 @@ class _Check:
             self.add("config", file, "declares no MoE layer",
                      "a MoE model (at least one layer with routed experts)")
         fields = self._model_fields()
+        self._sizes(fields, file)
         experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                             if fields.get(k) is not None), "num_experts")
         for s in structures[:1]:  # every MoE layer of a config shares these fields
@@ -411,6 +416,22 @@ class _Check:
                              f"{e // r.n_group}", "topk_group x experts per group >= "
                              "num_experts_per_tok")
         return arch, structures
+
+    def _sizes(self, fields: dict, file: str) -> None:
+        """The sizes the model is built from are positive integers, and attention heads group."""
+        where = "text_config." if fields is not self.config else ""
+        for key in _SIZE_FIELDS:
+            value = fields.get(key)
+            if value is None:  # transformers' config class then gives its default
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self.add("config", file, f"{where}{key} is {value!r}", "a positive integer")
+        heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+        if (isinstance(heads, int) and isinstance(kv, int) and not isinstance(kv, bool)
+                and heads > 0 and kv > 0 and heads % kv):
+            self.add("config", file, f"num_attention_heads {heads} is not a multiple of "
+                     f"num_key_value_heads {kv}", "query heads that split evenly over the "
+                     "key/value heads")
 
     def _model_fields(self) -> dict:
         c = self.config or {}

@@ -243,6 +243,10 @@ DAMAGES = [
     Damage("config_declares_fewer_layers_than_stored", "qwen3_nvfp4",
            set_config(num_hidden_layers=1), "tensors",
            ["num_hidden_layers is 1", "decoder layer 1"]),
+    Damage("heads_do_not_group", "qwen3_fp8", set_config(num_key_value_heads=3), "config",
+           ["num_attention_heads 4", "num_key_value_heads 3"]),
+    Damage("size_of_the_wrong_type", "qwen3_mixed", set_config(head_dim="16"), "config",
+           ["head_dim is '16'", "a positive integer"]),
     Damage("router_shape_disagrees", "qwen3_fp8",
            edit_tensors(lambda t: t.__setitem__("model.layers.0.mlp.gate.weight",
                                                 t["model.layers.0.mlp.gate.weight"][:6])),
@@ -522,3 +526,22 @@ def test_random_bytes_in_a_safetensors_header_never_crash_the_check(seed, qwen3_
         raw[rng.randrange(0, 8 + n)] = rng.randrange(256)
     (folder / WEIGHTS).write_bytes(bytes(raw))
     check_checkpoint(folder)  # any finding, or none; never an exception
+
+
+_ODD_VALUES = (None, -1, 0, 2**40, 1.5, "16", True, [], {}, [1, "x"], {"num_bits": 8})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_config_fields_of_any_type_never_crash_the_check(seed, qwen3_mixed, deepseek_fp8, tmp_path):
+    """Any field of either config file set to a value of another type: findings, no exception."""
+    rng = random.Random(seed)
+    for n, base in enumerate((qwen3_mixed, deepseek_fp8) * 6):
+        folder = Path(shutil.copytree(base, tmp_path / f"v{n}"))
+        file = rng.choice(["config.json", "hf_quant_config.json"])
+        data = json.loads((folder / file).read_text())
+        block = data.get("quantization_config") or data.get("quantization") or data
+        target = rng.choice([data, block])
+        key = rng.choice(sorted(target))
+        target[key] = rng.choice(_ODD_VALUES)
+        (folder / file).write_text(json.dumps(data))
+        check_checkpoint(folder, machine=None)
