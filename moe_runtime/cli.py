@@ -168,6 +168,7 @@ def run_check(args, path, *, device: str | None, weights_required: bool = True):
     kwargs = {} if device is not None else {"machine": None}
     return check_checkpoint(path, device=device or "cpu", batch_size=args.max_batch_size,
                             context_tokens=args.max_model_len,
+                            ep_size=max(1, getattr(args, "ep_size", 1) or 1),
                             weights_required=weights_required, **kwargs)
 
 

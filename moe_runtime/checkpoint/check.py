@@ -206,7 +206,7 @@ _PROBE = "probe"
 
 def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _PROBE,
                      batch_size: int = 1, context_tokens: int | None = None,
-                     weights_required: bool = True) -> CheckReport:
+                     ep_size: int = 1, weights_required: bool = True) -> CheckReport:
     """Check the checkpoint folder ``path``; never raises for what is wrong with the folder.
 
     :param device: where the model would be loaded (``"cpu"``, ``"cuda:0"``): whose memory the
@@ -214,14 +214,15 @@ def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _P
     :param machine: a :class:`MachineMemory` to compare with, ``None`` for no comparison
         (the estimate is still made), or the default: probe ``device`` once.
     :param batch_size: sequences the server holds at once; ``context_tokens``: tokens per
-        sequence (default: the config's ``max_position_embeddings``).
+        sequence (default: the config's ``max_position_embeddings``); ``ep_size``: expert-parallel
+        ranks (the memory is one rank's).
     :param weights_required: ``False`` accepts a folder of config files alone (planning a
         published config before its weights are downloaded): the tensor rules are then skipped
         and the report says so.
     """
     start = time.perf_counter()
     c = _Check(Path(path), weights_required=weights_required)
-    c.run(batch_size=batch_size, context_tokens=context_tokens)
+    c.run(batch_size=batch_size, context_tokens=context_tokens, ep_size=ep_size)
     if machine == _PROBE:
         machine = MachineMemory.probe(device) if c.estimate is not None else None
     if c.estimate is not None and machine is not None:
@@ -247,17 +248,17 @@ def _folder_state(folder: Path) -> tuple:
 
 
 def require_sound_checkpoint(path: str | Path, *, device: str = "cpu", batch_size: int = 1,
-                             context_tokens: int | None = None) -> CheckReport:
+                             context_tokens: int | None = None, ep_size: int = 1) -> CheckReport:
     """:func:`check_checkpoint`, raising :class:`CheckpointRefused` when anything was found.
 
     A folder that passed is not checked again while its files stay as they were.
     """
     folder = Path(path).resolve() if Path(path).exists() else Path(path)
-    key = (str(folder), device, batch_size, context_tokens, _folder_state(folder))
+    key = (str(folder), device, batch_size, context_tokens, ep_size, _folder_state(folder))
     report = _CLEAN.get(key)
     if report is None:
         report = check_checkpoint(path, device=device, batch_size=batch_size,
-                                  context_tokens=context_tokens)
+                                  context_tokens=context_tokens, ep_size=ep_size)
         if not report.ok:
             raise CheckpointRefused(report)
         if len(_CLEAN) > 16:
@@ -288,7 +289,7 @@ class _Check:
     def add_error(self, rule: str, exc: CheckpointError) -> None:
         self.findings.append(Finding(rule, "", str(exc)))
 
-    def run(self, *, batch_size: int, context_tokens: int | None) -> None:
+    def run(self, *, batch_size: int, context_tokens: int | None, ep_size: int) -> None:
         if not self.check_folder():
             return
         self.check_json()
@@ -304,6 +305,7 @@ class _Check:
                 spec is not None or not layers):
             self.estimate = estimate_memory(
                 self.config, layers or [], batch_size=batch_size, context_tokens=context_tokens,
+                ep_size=ep_size,
                 kv_cache_quant_algo=spec.kv_cache_quant_algo if spec else None)
 
     # ------------------------------------------------------------------ 1. folder and files

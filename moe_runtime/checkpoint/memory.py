@@ -141,11 +141,14 @@ def _int(fields: dict, key: str, default: int = 0) -> int:
 
 
 def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: str | None = None,
-                    batch_size: int = 1, context_tokens: int | None = None) -> MemoryEstimate:
+                    batch_size: int = 1, context_tokens: int | None = None,
+                    ep_size: int = 1) -> MemoryEstimate:
     """The memory serving needs, from config.json (``config``) and the resolved MoE layers.
 
     :param moe_layers: the :class:`MoELayerInfo` records (their count, shapes and formats).
     :param context_tokens: tokens per sequence (default: ``max_position_embeddings``).
+    :param ep_size: expert-parallel ranks: one rank holds ``ceil(num_experts / ep_size)`` experts
+        of each layer (the estimate is one rank's).
     """
     f = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     dtype = str(config.get("dtype") or config.get("torch_dtype") or f.get("dtype") or "bfloat16")
@@ -185,15 +188,17 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
                                  ("intermediate_size", dense_inter)]))
     if moe_layers:
         first = moe_layers[0]
+        local = [-(-m.num_experts // max(1, ep_size)) for m in moe_layers]
         expert_bytes = sum(
-            m.num_experts * 3 * m.hidden_size * m.intermediate_size
+            n * 3 * m.hidden_size * m.intermediate_size
             * _BYTES_PER_WEIGHT.get(m.quant.format, dbytes)
             + m.num_experts * m.hidden_size * dbytes  # router
             + 3 * m.hidden_size * m.shared_expert_intermediate_size * dbytes
-            for m in moe_layers)
+            for m, n in zip(moe_layers, local, strict=True))
         parts.append(MemoryPart(
             f"expert weights of {len(moe_layers)} MoE layers", int(expert_bytes),
-            [("num_experts", first.num_experts), ("hidden_size", first.hidden_size),
+            [("num_experts", first.num_experts), *([("ep_size", ep_size)] if ep_size > 1 else []),
+             ("hidden_size", first.hidden_size),
              ("moe_intermediate_size", first.intermediate_size)]))
 
     kv_bytes = 1 if kv_cache_quant_algo else dbytes

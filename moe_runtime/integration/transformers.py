@@ -155,7 +155,8 @@ def load_model(
     from moe_runtime.reference_math import dequantize_expert_weights
 
     model_dir = Path(model_dir)
-    require_sound_checkpoint(model_dir, device=device)  # every finding, before any allocation
+    require_sound_checkpoint(model_dir, device=device,  # every finding, before any allocation
+                             ep_size=ep_size or getattr(deployment, "ep_size", 1))
     ckpt = read_checkpoint(model_dir)
     if dtype is None:
         dtype = _DTYPES.get(str(ckpt.dtype or "bfloat16").replace("torch.", ""), torch.bfloat16)

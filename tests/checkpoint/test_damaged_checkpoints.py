@@ -431,6 +431,18 @@ def test_the_memory_needed_is_compared_with_the_machine(qwen3_nvfp4):
                             context_tokens=16).memory.total < report.memory.total
 
 
+def test_expert_parallel_ranks_hold_a_share_of_the_experts(qwen3_nvfp4):
+    def experts(report):
+        (part,) = [p for p in report.memory.parts if p.name.startswith("expert weights")]
+        return part.bytes
+
+    whole = check_checkpoint(qwen3_nvfp4, machine=None)
+    quarter = check_checkpoint(qwen3_nvfp4, machine=None, ep_size=4)
+    # 2 of the 8 experts per rank: 6 fewer experts x 3 projections x H 64 x I 32 x 0.5625 bytes
+    # in each of the 2 layers (routers stay whole)
+    assert experts(whole) - experts(quarter) == 2 * 6 * 3 * 64 * 32 * 0.5625
+
+
 def test_the_scale_scan_is_timed_and_reads_only_scales(qwen3_nvfp4):
     report = check_checkpoint(qwen3_nvfp4)
     tensors = load_file(qwen3_nvfp4 / WEIGHTS)
