@@ -66,10 +66,19 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise invalid(f"the request body nests arrays and objects {depth} levels deep; at most "
                       f"{max_depth} are accepted", code="json_too_deep")
     try:
-        return json.loads(body, parse_constant=_no_constant)
+        value = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # ValueError also covers integers of more digits than Python converts (4300)
         raise invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if b"\\u" in body or b"\xed" in body:  # where a lone UTF-16 surrogate can come from
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()
+            raise invalid(f"the request body holds {bad}, a lone UTF-16 surrogate, which is no "
+                          "Unicode character; send text as valid UTF-8 (or paired \\u escapes)",
+                          code="invalid_json") from None
+    return value
 
 
 class _Request(BaseModel):

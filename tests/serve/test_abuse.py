@@ -106,7 +106,10 @@ def test_brackets_inside_strings_do_not_count_as_nesting(http, target):
     b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
     b"\xff\xfe\x00garbage",
     b"",
-], ids=["nan", "infinity", "5000-digit-integer", "not-utf8", "empty"])
+    b'{"prompt": "\\udcff", "max_tokens": 1}',
+    b'{"prompt": "\xed\xb3\xbf", "max_tokens": 1}',
+], ids=["nan", "infinity", "5000-digit-integer", "not-utf8", "empty", "lone-surrogate-escape",
+        "lone-surrogate-utf8"])
 def test_json_python_would_accept_or_choke_on_is_a_400(http, body):
     assert_openai_error(post_raw(http, body), 400, "invalid_json")
 
@@ -143,6 +146,7 @@ def abuse_round(http, target, api_key) -> list[int]:
     post(b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")
     post(json.dumps({"prompt": "x" * (2 << 20)}).encode())
     post(b'{"prompt": [1, 2, 1000000000], "max_tokens": 1}')
+    post(b'{"prompt": "\\ud800", "max_tokens": 1}')
     post(b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}')
     statuses.append(http.post("/v1/chat/completions", content=b"[" * 50_000).status_code)
     statuses.append(http.get("/v1/models/" + "x" * 4000).status_code)
