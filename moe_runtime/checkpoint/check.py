@@ -5,18 +5,20 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
 
 1. the folder exists and holds files, and every file in it can be read;
 2. every top-level ``*.json`` file is a JSON object, and config.json exists;
-3. config.json names a supported architecture whose MoE fields read, and its routing can be done:
-   ``num_experts_per_tok`` at most the experts; with grouped top-k, ``n_group`` divides the
+3. config.json names a supported architecture whose MoE fields read, its sizes are positive
+   integers and its query heads split evenly over the key/value heads, and its routing can be
+   done: ``num_experts_per_tok`` at most the experts; with grouped top-k, ``n_group`` divides the
    experts, ``topk_group`` is at most ``n_group`` and the kept groups hold the top-k experts;
 4. the quantization config reads; config.json and hf_quant_config.json agree on every setting
    both state; every group size stated is its format's block size;
 5. every safetensors header is well formed: known dtypes, each tensor's bytes inside its file and
    exactly ``dtype size x shape`` long; the index's shards exist and hold the tensors it maps;
-6. the tensors match the configs: every module the quantization config names exists; every MoE
-   layer's experts ``0..E-1`` store each projection as its format defines (:data:`LAYOUTS`:
-   dtypes, shapes, scales, an input scale exactly when activations are quantized), no expert lies
-   beyond ``E``, the router is ``[E, hidden]``; embeddings are ``[vocab_size, hidden_size]``;
-   every other linear is stored in its resolved format's dtype with that format's scales;
+6. the tensors match the configs: every module the quantization config names exists; no tensor
+   belongs to a decoder layer beyond ``num_hidden_layers``; every MoE layer's experts ``0..E-1``
+   store each projection as its format defines (:data:`LAYOUTS`: dtypes, shapes, scales, an
+   input scale exactly when activations are quantized), no expert lies beyond ``E``, the router
+   is ``[E, hidden]``; embeddings are ``[vocab_size, hidden_size]``; every other linear is stored
+   in its resolved format's dtype with that format's scales;
 7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
    the weights), timed;
 8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine.

@@ -18,7 +18,7 @@ import pytest
 
 from moe_runtime.serve.protocol import MAX_JSON_DEPTH
 
-ROUNDS = 8
+ROUNDS = 6
 
 
 @pytest.fixture(scope="module")
