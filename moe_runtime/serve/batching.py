@@ -61,10 +61,6 @@ def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:
     full-attention keys and values.
     """
     import transformers
-    from transformers.generation.continuous_batching.cache import (
-        find_head_dim,
-        find_num_kv_heads,
-    )
 
     from moe_runtime.checkpoint.architectures import architecture_of
 
@@ -79,7 +75,7 @@ def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:
             f"{name} cannot be served: {cache.describe()}; neither batching path holds such a "
             f"state (transformers {transformers.__version__}'s paged cache groups only full and "
             "sliding attention layers, and the padded dynamic cache cannot pad a recurrent state)")
-    paged_heads, paged_size = find_num_kv_heads(config), find_head_dim(config)
+    paged_heads, paged_size = _paged_page(arch.text_config and data.get("text_config") or data)
     fits = (cache.kv_heads == paged_heads and cache.key_head_size == paged_size
             and cache.value_head_size == paged_size)
     version = transformers.__version__
@@ -98,6 +94,25 @@ def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:
         return BatchingChoice(DYNAMIC, f"pinned by --batching dynamic; {name} writes "
                                        f"{cache.describe()}")
     return BatchingChoice(DYNAMIC, f"{paged}, but {name} writes {cache.describe()}")
+
+
+def _paged_page(fields: dict[str, Any]) -> tuple[int, int]:
+    """The page shape (heads, head size) that transformers' paged cache allocates for a config.
+
+    transformers reads it as ``num_key_value_heads`` (else ``num_attention_heads``) by
+    ``head_dim`` (else ``hidden_size // num_attention_heads``); the same rule is written here from
+    the config's fields, since the helpers that hold it are private and renamed across releases.
+    """
+    heads = fields.get("num_attention_heads")
+    kv_heads = fields.get("num_key_value_heads") or heads
+    size = fields.get("head_dim")
+    if size is None and heads and fields.get("hidden_size"):
+        size = fields["hidden_size"] // heads
+    if not kv_heads or not size:
+        raise BatchingError("config.json names neither num_key_value_heads nor "
+                            "num_attention_heads, or neither head_dim nor hidden_size: the "
+                            "attention's cache shape is unknown")
+    return int(kv_heads), int(size)
 
 
 # ------------------------------------------------------------------------------ dynamic batching
@@ -147,6 +162,12 @@ class CacheBatcher:
         self.pad_token_id = pad_token_id
         self.fatal_error: BaseException | None = None
         self._device = next(model.parameters()).device
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (5.2x; the old name is
+        # deprecated): pass the cache under the name this model's forward takes
+        import inspect
+
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._incoming: queue.Queue[_Request] = queue.Queue()
         self._cancelled: set[str] = set()
         self._live: set[str] = set()  # queued or running requests
@@ -271,7 +292,7 @@ class CacheBatcher:
 
     def _forward(self, input_ids, mask, positions, cache):
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1, :].float()
 
     def _prefill(self, new: list[_Request]) -> None:
