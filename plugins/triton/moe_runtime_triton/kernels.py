@@ -220,7 +220,8 @@ def _e2m1_pairs_asm(packed):
 
     Unlike a true elementwise op, each output reads all four bytes of its instance: this relies on
     Triton packing four consecutive, 4-aligned bytes of a row per instance, which the row tiles'
-    vectorised loads (16 or more bytes per thread along K) give. Checked on the H200 for every
+    vectorised loads (16 or more bytes per thread along K) give only under the conditions of
+    ``ops._asm_decode`` (elsewhere :func:`_e2m1_pairs` runs). Checked on the H200 for every
     config the tuned table holds (conformance suite, tests, the benchmark's reference check)."""
     return tl.inline_asm_elementwise(
         asm="""
@@ -290,7 +291,7 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K:
         wb = tl.load(ptrs, mask=n_mask[:, None], other=0)
     else:
         wb = tl.load(ptrs, mask=n_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
-    if USE_ASM:
+    if USE_ASM:  # only where the layout holds four bytes of a row per thread: ops._asm_decode
         lo, hi = _e2m1_pairs_asm(wb)
     else:
         lo, hi = _e2m1_pairs(wb, BLOCK_N, BLOCK_K // 2)

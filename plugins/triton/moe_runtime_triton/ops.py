@@ -300,6 +300,21 @@ def route_into(topk_ids: torch.Tensor, E: int, block_m: int, sorted_ids: torch.T
                                         num_warps=4)
 
 
+def _asm_decode(pw: "PreparedWeights", K_dim: int, rows: int, cfg: dict) -> bool:
+    """Whether a GEMM over ``K_dim`` with ``rows`` weight rows per tile may take the inline-assembly
+    NVFP4 decode (``kernels._e2m1_pairs_asm``). It reads four consecutive bytes of a row per
+    instance, which Triton's layout gives only when each thread holds at least four bytes along
+    K of a 16-byte aligned row: whole K tiles (``EVEN_K``), rows of a multiple of 32 columns (16
+    bytes, Triton's divisibility unit) and at least 4 bytes per thread of the tile. Otherwise the
+    portable decode runs (same values; seen on the H200: K = 16, K = 48 with partial tiles, and
+    16 x 32 tiles over 4 warps decoded wrong through the assembly)."""
+    if not (USE_ASM and pw.wfmt == K.WFMT_NVFP4):
+        return False
+    bk = cfg["BLOCK_K"]
+    tile_bytes = rows * bk // 2
+    return K_dim % bk == 0 and K_dim % 32 == 0 and tile_bytes >= 4 * 32 * cfg["num_warps"]
+
+
 def _launch_opts(cfg: dict) -> dict:
     opts = {"num_warps": cfg["num_warps"]}
     if torch.cuda.is_available():
@@ -488,7 +503,7 @@ def _sorted_gemms(hidden, hidden_scale, compute, sorted_ids, bexp, P: int, topk:
         WFMT=pw.wfmt, A_QUANT=a_quant, OUT_FP8=pw.wfmt == K.WFMT_FP8,
         ACT=_ACT[pw.activation], EVEN_K=even_k1, EXACT=EXACT_FP8,
         BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"], GROUP_M=g1["GROUP_M"],
-        compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g1),
+        compute_dtype=ctype, USE_ASM=_asm_decode(pw, H, g1["BLOCK_N"], g1), **_launch_opts(g1),
     ))
 
     g2 = cfg["g2"]
@@ -506,7 +521,7 @@ def _sorted_gemms(hidden, hidden_scale, compute, sorted_ids, bexp, P: int, topk:
         y.stride(0),
         WFMT=pw.wfmt, EVEN_K=even_k2,
         BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"], GROUP_M=g2["GROUP_M"],
-        compute_dtype=ctype, USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4, **_launch_opts(g2),
+        compute_dtype=ctype, USE_ASM=_asm_decode(pw, I, g2["BLOCK_N"], g2), **_launch_opts(g2),
     ))
 
 
@@ -540,7 +555,7 @@ def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict,
         x.stride(0), pw.w13.stride(0), pw.w13.stride(1), *scale_strides13, inter.stride(0),
         WFMT=pw.wfmt, A_QUANT=a_quant, ACT=_ACT[pw.activation], EVEN_K=H % d1["BLOCK_K"] == 0,
         EXACT=EXACT_FP8,
-        BLOCK_N=d1["BLOCK_N"], BLOCK_K=d1["BLOCK_K"], USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4,
+        BLOCK_N=d1["BLOCK_N"], BLOCK_K=d1["BLOCK_K"], USE_ASM=_asm_decode(pw, H, d1["BLOCK_N"], d1),
         **_launch_opts(d1),
     ))
     go("decode_gemm2", lambda: K.moe_decode_gemm2_kernel[(N, triton.cdiv(H, d2["BLOCK_N"]))](
@@ -550,7 +565,8 @@ def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict,
         out, E, H, I,
         inter.stride(0), pw.w2.stride(0), pw.w2.stride(1), *scale_strides2, out.stride(0),
         TOPK=topk, WFMT=pw.wfmt, EVEN_K=I % d2["BLOCK_K"] == 0,
-        BLOCK_N=d2["BLOCK_N"], BLOCK_K=d2["BLOCK_K"], USE_ASM=USE_ASM and pw.wfmt == K.WFMT_NVFP4,
+        BLOCK_N=d2["BLOCK_N"], BLOCK_K=d2["BLOCK_K"],
+        USE_ASM=_asm_decode(pw, I, triton.next_power_of_2(topk) * d2["BLOCK_N"], d2),
         **_launch_opts(d2),
     ))
 
