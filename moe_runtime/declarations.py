@@ -55,6 +55,7 @@ class Reason(enum.Enum):
     UNSUPPORTED_ACTIVATION = "unsupported_activation"
     UNSUPPORTED_LAYOUT = "unsupported_layout"
     UNSUPPORTED_PAYLOAD = "unsupported_payload"
+    UNSUPPORTED_RUNS_AS = "unsupported_runs_as"
     UNSUPPORTED_SHAPE = "unsupported_shape"
     UNSUPPORTED_DEVICE = "unsupported_device"
     COMPUTE_CAPABILITY = "compute_capability"
@@ -96,6 +97,7 @@ CHECK_ORDER = (
     Reason.UNSUPPORTED_ACTIVATION,
     Reason.UNSUPPORTED_LAYOUT,
     Reason.UNSUPPORTED_PAYLOAD,
+    Reason.UNSUPPORTED_RUNS_AS,
     Reason.UNSUPPORTED_SHAPE,
     Reason.UNSUPPORTED_DEVICE,
     Reason.COMPUTE_CAPABILITY,
@@ -249,7 +251,7 @@ class Support:
                 f"does not accept payload {payload}; it declares {_listed(self.payloads)}"))
         own = self.runs_as or p.format
         if runs_as is not None and runs_as != own:
-            return Verdict(Reason.UNSUPPORTED_FORMAT, (
+            return Verdict(Reason.UNSUPPORTED_RUNS_AS, (
                 f"runs format {p.format} as {own}, not as {runs_as}"))
         m = self.shape_multiple
         if m > 1 and (p.hidden_size % m or p.intermediate_size % m):
@@ -312,12 +314,12 @@ class ExpertsBackendSpec:
               **kwargs) -> Verdict:
         """Accepted if any block accepts (see :meth:`Support.check`), else the furthest refusal.
 
-        When every block refuses the format, the message lists every format the backend declares.
+        When every block refuses the format, the message lists every format the backend declares
+        (each block's own message names only its own formats).
         """
         verdicts = [s.check(problem, environment, **kwargs) for s in self.supports]
         best = furthest(verdicts)
-        if not best and all(v.reason is Reason.UNSUPPORTED_FORMAT and problem.format
-                            not in s.formats for v, s in zip(verdicts, self.supports)):
+        if all(v.reason is Reason.UNSUPPORTED_FORMAT for v in verdicts):
             declared = {f for s in self.supports for f in s.formats}
             return Verdict(Reason.UNSUPPORTED_FORMAT,
                            f"does not run format {problem.format}; it declares {_listed(declared)}")

@@ -256,27 +256,46 @@ def check_deployment(registry: Registry, dep: Deployment) -> None:
         raise PlanError(f"expert-parallel size must be at least 1, got {dep.ep_size}")
 
 
-def plan_layer(
-    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
-) -> tuple[LayerPlan, list[Rejection]]:
-    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it."""
+# --------------------------------------------------------------------------- planning one layer
+# plan_layer runs these steps in order; each step builds the rejections (and their sentences) of
+# what it turned down, and nothing later rewrites them:
+#   1. resolve_format      the layer's format must be registered
+#   2. filter_experts      every experts backend checked with ExpertsBackendSpec.check
+#   3. filter_comms        every communication backend checked with CommBackendSpec.check
+#   4. refuse_*            nothing (or not what was pinned) is left: one error naming why
+#   5. select_modes        per (experts, communication) pair: the modes and payloads that pair up
+#   6. describe_choice     degradations and notes of the chosen pair, for people
+
+
+@attrs.frozen
+class _Candidates:
+    """What the filtering steps left, and what they turned down."""
+
+    experts: tuple[_ExpertsOption, ...]
+    comms: tuple[tuple[CommBackendSpec, tuple[CommSupport, ...]], ...]
+    accepting: tuple[str, ...]  # experts backends that could run the layer, pinned or not
+    rejections: tuple[Rejection, ...]
+
+
+def resolve_format(p: LayerProblem, registry: Registry) -> F.WeightFormat:
+    """Step 1: the layer's weight format, which some plugin must have registered."""
     if p.format not in registry.formats:
         raise PlanError(
             f"layer {p.name}: format {p.format!r} is not registered by any plugin; registered "
             f"formats: {', '.join(sorted(registry.formats))}"
         )
-    check_deployment(registry, deployment)
-    dep = deployment
+    return registry.formats[p.format].spec
 
 
-    rejections: list[Rejection] = []
-    experts_ok: list[_ExpertsOption] = []
-    accepting: list[str] = []
+def filter_experts(p: LayerProblem, registry: Registry, env: Environment, dep: Deployment
+                   ) -> tuple[list[_ExpertsOption], list[str], list[Rejection]]:
+    """Step 2: the experts blocks that may run ``p`` (ranked), the backends that accept it, and a
+    rejection for each backend that does not (or that a pin excludes)."""
+    options, accepting, rejections = [], [], []
     for spec in _ranked(registry.experts):
-        opts, failure = evaluate_experts(spec, p, environment,
-                                         allow_degradation=dep.allow_degradation)
+        opts, failure = evaluate_experts(spec, p, env, allow_degradation=dep.allow_degradation)
         if failure:
-            rejections.append(Rejection(p.name, "experts", spec.name, failure[0], failure[1]))
+            rejections.append(Rejection(p.name, "experts", spec.name, *failure))
             continue
         accepting.append(spec.name)
         if dep.experts_backend is not None and spec.name != dep.experts_backend:
@@ -285,147 +304,206 @@ def plan_layer(
                 f"could run this layer, but --moe-runner-backend {dep.experts_backend} was asked for",
             ))
             continue
-        experts_ok.extend(opts)
+        options.extend(opts)
+    return options, accepting, rejections
 
-    comm_ok: list[tuple[CommBackendSpec, list[CommSupport]]] = []
+
+def filter_comms(p: LayerProblem, registry: Registry, env: Environment, dep: Deployment
+                 ) -> tuple[list[tuple[CommBackendSpec, list[CommSupport]]], list[Rejection]]:
+    """Step 3: the communication backends (with their usable modes) for this deployment, and a
+    rejection for each that cannot run it. A backend a pin excludes is skipped without one."""
+    usable, rejections = [], []
     for spec in _ranked(registry.comms):
-        modes, failure = evaluate_comm(spec, environment, dep)
+        modes, failure = evaluate_comm(spec, env, dep)
         if failure:
-            rejections.append(Rejection(p.name, "communication", spec.name, failure[0], failure[1]))
+            rejections.append(Rejection(p.name, "communication", spec.name, *failure))
             continue
-        if dep.comm_backend is not None and spec.name != dep.comm_backend:
-            continue
-        comm_ok.append((spec, modes))
+        if dep.comm_backend is None or spec.name == dep.comm_backend:
+            usable.append((spec, modes))
+    return usable, rejections
 
-    def refuse(role: str, pinned: str | None, why: str) -> PlanError:
+
+def refuse_experts(p: LayerProblem, env: Environment, dep: Deployment, accepting: list[str],
+                   rejections: list[Rejection]) -> PlanError:
+    """Step 4a: no experts block is left. The pinned backend's own rejection, or every one."""
+    if dep.experts_backend is not None:
+        pinned = dep.experts_backend
         own = [r for r in rejections if r.backend == pinned and r.reason != Reason.NOT_REQUESTED]
-        detail = f"{own[0].reason.value}: {own[0].message}" if own else why
+        detail = f"{own[0].reason.value}: {own[0].message}" if own else ""
         others = [n for n in accepting if n != pinned]
-        msg = (
+        return PlanError(
             f"layer {p.name} (format {p.format}, activation {p.activation}): "
-            f"{role} backend {pinned!r} cannot run it: {detail}. "
-        )
-        msg += (
-            f"Experts backends that would run this layer: {', '.join(others)}."
-            if others else "No registered experts backend runs this layer here."
-        )
-        return PlanError(msg, rejections)
+            f"experts backend {pinned!r} cannot run it: {detail}. "
+            + (f"Experts backends that would run this layer: {', '.join(others)}."
+               if others else "No registered experts backend runs this layer here."),
+            rejections)
+    lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in rejections
+                      if r.role == "experts")
+    return PlanError(
+        f"layer {p.name} (format {p.format}, activation {p.activation}): no experts backend "
+        f"can run it on {env.described}. {lines}", rejections)
 
-    if not experts_ok:
-        if dep.experts_backend is not None:
-            raise refuse("experts", dep.experts_backend, "")
-        lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in rejections
-                          if r.role == "experts")
-        raise PlanError(
-            f"layer {p.name} (format {p.format}, activation {p.activation}): no experts backend "
-            f"can run it on {environment.described}. {lines}",
-            rejections,
-        )
-    if not comm_ok:
-        if dep.comm_backend is not None:
-            own = [r for r in rejections if r.backend == dep.comm_backend]
-            detail = f"{own[0].reason.value}: {own[0].message}" if own else "no usable mode"
-            raise PlanError(
-                f"layer {p.name}: communication backend {dep.comm_backend!r} cannot run this "
-                f"deployment: {detail}", rejections)
-        lines = "; ".join(f"{r.backend}: {r.message}" for r in rejections
-                          if r.role == "communication")
-        raise PlanError(
-            f"layer {p.name}: no communication backend runs expert parallel size {dep.ep_size} "
-            f"on {environment.described}. {lines}", rejections)
 
+def refuse_comms(p: LayerProblem, env: Environment, dep: Deployment,
+                 rejections: list[Rejection]) -> PlanError:
+    """Step 4b: no communication mode is left for the deployment."""
+    if dep.comm_backend is not None:
+        own = [r for r in rejections if r.backend == dep.comm_backend]
+        detail = f"{own[0].reason.value}: {own[0].message}" if own else "no usable mode"
+        return PlanError(
+            f"layer {p.name}: communication backend {dep.comm_backend!r} cannot run this "
+            f"deployment: {detail}", rejections)
+    lines = "; ".join(f"{r.backend}: {r.message}" for r in rejections
+                      if r.role == "communication")
+    return PlanError(
+        f"layer {p.name}: no communication backend runs expert parallel size {dep.ep_size} "
+        f"on {env.described}. {lines}", rejections)
+
+
+def _match_mode(p: LayerProblem, opts: list[_ExpertsOption], mode: CommSupport,
+                runs_as: str | None, registry: Registry, dep: Deployment
+                ) -> tuple[_ExpertsOption, str] | str | None:
+    """The first block of ``opts`` that consumes ``mode``'s layout and shares a payload with it:
+    ``(block, payload)``; else why the payload failed (a sentence), or ``None`` (no layout)."""
+    why_not = None
+    for opt in opts:
+        if runs_as is not None and opt.runs_as != runs_as:
+            continue  # every mode of a layer runs the weights the same way
+        if not opt.support.check(p, layout=mode.layout):
+            continue
+        payload, why = _derive_payload(opt, mode, registry, dep.payload)
+        if payload is None:
+            why_not = why_not or why
+            continue
+        return opt, payload
+    return why_not
+
+
+def select_modes(p: LayerProblem, opts: list[_ExpertsOption], cspec: CommBackendSpec,
+                 modes: list[CommSupport], registry: Registry, dep: Deployment
+                 ) -> tuple[_ExpertsOption | None, list[ModeChoice], list[Rejection]]:
+    """Step 5: pair one experts backend's blocks with one communication backend's modes.
+
+    Modes are taken in declared order until one admits every batch of the deployment. Returns the
+    block used and the chosen modes, or ``(None, [], rejections)`` when the pair does not work:
+    each rejection says which mode failed on layout or payload, or that the bounds fall short.
+    """
+    chosen: list[ModeChoice] = []
+    used: _ExpertsOption | None = None
+    failures: list[Rejection] = []
+    for mode in modes:
+        match = _match_mode(p, opts, mode, used.runs_as if used else None, registry, dep)
+        if not isinstance(match, tuple):
+            failures.append(_unpaired(p, cspec, mode, opts, why_payload=match))
+            continue
+        opt, payload = match
+        used = used or opt
+        chosen.append(ModeChoice(mode.mode, mode.layout, payload, mode.max_tokens_per_rank))
+        if mode.max_tokens_per_rank is None or mode.max_tokens_per_rank >= dep.max_tokens_per_rank:
+            return used, chosen, failures  # this mode admits every batch of the deployment
+    if chosen:
+        largest = max(m.max_tokens_per_rank for m in chosen)
+        failures.append(Rejection(
+            p.name, "communication", cspec.name, Reason.TOKEN_BOUND,
+            f"its modes carry at most {largest} tokens per rank; the deployment asks "
+            f"for {dep.max_tokens_per_rank} (lower --max-tokens-per-rank / "
+            "--max-batch-size, or raise the backend's bound)",
+        ))
+    return None, [], failures
+
+
+def _unpaired(p: LayerProblem, cspec: CommBackendSpec, mode: CommSupport,
+              opts: list[_ExpertsOption], *, why_payload: str | None) -> Rejection:
+    if why_payload is not None:
+        return Rejection(p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD,
+                         why_payload)
+    consumes = sorted({lay for o in opts for lay in o.support.layouts})
+    return Rejection(
+        p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
+        f"mode {mode.mode} produces layout {mode.layout}; experts backend "
+        f"{opts[0].spec.name} consumes {', '.join(consumes)}")
+
+
+def describe_choice(p: LayerProblem, opt: _ExpertsOption, cspec: CommBackendSpec,
+                    chosen: list[ModeChoice], registry: Registry, env: Environment
+                    ) -> tuple[list[str], list[str]]:
+    """Step 6: the degradations and notes a plan shows for the chosen pair."""
+    degradations, notes = [], []
+    if opt.runs_as != p.format:
+        src = registry.formats[p.format].spec
+        degradations.append(
+            f"{p.format} weights run as {opt.runs_as} by {opt.spec.name}"
+            + (f": activations are not quantized to {src.activation_payload}"
+               if src.activation_payload != F.UNQUANTIZED else "")
+            + (f" ({opt.support.note})" if opt.support.note else "")
+        )
+    elif opt.support.note:
+        notes.append(opt.support.note)
+    if len(chosen) > 1:
+        notes.append("per batch: " + ", then ".join(
+            f"{m.comm_mode} ({m.layout}, {m.payload}"
+            + (f", up to {m.max_tokens_per_rank} tokens/rank)" if m.max_tokens_per_rank
+               else ")") for m in chosen))
+    quantized = sorted({m.payload for m in chosen} - {F.UNQUANTIZED})
+    if quantized:
+        notes.append(f"dispatch carries {', '.join(quantized)} activations (both sides "
+                     "declare it)")
+    if env.available is None:
+        req = sorted(opt.spec.requires() | cspec.requires())
+        if req:
+            notes.append(f"assumes {', '.join(req)} importable on the target (not checked)")
+    return degradations, notes
+
+
+def _by_backend(options: list[_ExpertsOption]) -> list[list[_ExpertsOption]]:
+    """Ranked backends, each with its accepting blocks (native first)."""
+    groups: dict[str, list[_ExpertsOption]] = {}
+    for opt in options:
+        groups.setdefault(opt.spec.name, []).append(opt)
+    return list(groups.values())
+
+
+def plan_layer(
+    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
+) -> tuple[LayerPlan, list[Rejection]]:
+    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it.
+
+    The steps are listed above; the first pair (by experts priority, then communication priority)
+    that :func:`select_modes` accepts wins.
+    """
+    env, dep = environment, deployment
+    resolve_format(p, registry)
+    check_deployment(registry, dep)
+    experts, accepting, rejections = filter_experts(p, registry, env, dep)
+    comms, comm_rejections = filter_comms(p, registry, env, dep)
+    rejections += comm_rejections
+    if not experts:
+        raise refuse_experts(p, env, dep, accepting, rejections)
+    if not comms:
+        raise refuse_comms(p, env, dep, rejections)
     pair_failures: list[Rejection] = []
-    by_backend: dict[str, list[_ExpertsOption]] = {}
-    for opt in experts_ok:  # ranked backends, each with its accepting blocks (native first)
-        by_backend.setdefault(opt.spec.name, []).append(opt)
-    for opts in by_backend.values():
-        consumes = sorted({lay for o in opts for lay in o.support.layouts})
-        for cspec, modes in comm_ok:
-            chosen: list[ModeChoice] = []
-            used: list[_ExpertsOption] = []
-            for mode in modes:
-                match, why_not = None, None
-                for opt in opts:
-                    if used and opt.runs_as != used[0].runs_as:
-                        continue  # every mode of a layer runs the weights the same way
-                    if not opt.support.check(p, layout=mode.layout):
-                        continue
-                    payload, why = _derive_payload(opt, mode, registry, dep.payload)
-                    if payload is None:
-                        why_not = why_not or why
-                        continue
-                    match = (opt, payload)
-                    break
-                if match is None:
-                    if why_not is not None:
-                        pair_failures.append(Rejection(
-                            p.name, "communication", cspec.name, Reason.UNSUPPORTED_PAYLOAD,
-                            why_not))
-                    else:
-                        pair_failures.append(Rejection(
-                            p.name, "communication", cspec.name, Reason.NO_COMMON_LAYOUT,
-                            f"mode {mode.mode} produces layout {mode.layout}; experts backend "
-                            f"{opts[0].spec.name} consumes {', '.join(consumes)}",
-                        ))
-                    continue
-                opt, payload = match
-                used.append(opt)
-                chosen.append(ModeChoice(mode.mode, mode.layout, payload,
-                                         mode.max_tokens_per_rank))
-                bound = mode.max_tokens_per_rank
-                if bound is None or bound >= dep.max_tokens_per_rank:
-                    break  # this mode admits every batch of the deployment
-            else:
-                if chosen:
-                    largest = max(m.max_tokens_per_rank for m in chosen)
-                    pair_failures.append(Rejection(
-                        p.name, "communication", cspec.name, Reason.TOKEN_BOUND,
-                        f"its modes carry at most {largest} tokens per rank; the deployment asks "
-                        f"for {dep.max_tokens_per_rank} (lower --max-tokens-per-rank / "
-                        "--max-batch-size, or raise the backend's bound)",
-                    ))
+    for opts in _by_backend(experts):
+        for cspec, modes in comms:
+            opt, chosen, failures = select_modes(p, opts, cspec, modes, registry, dep)
+            pair_failures += failures
+            if opt is None:
                 continue
-            opt = used[0]
+            degradations, notes = describe_choice(p, opt, cspec, chosen, registry, env)
             last = chosen[-1]
-            degradations, notes = [], []
-            if opt.runs_as != p.format:
-                src = registry.formats[p.format].spec
-                degradations.append(
-                    f"{p.format} weights run as {opt.runs_as} by {opt.spec.name}"
-                    + (f": activations are not quantized to {src.activation_payload}"
-                       if src.activation_payload != F.UNQUANTIZED else "")
-                    + (f" ({opt.support.note})" if opt.support.note else "")
-                )
-            elif opt.support.note:
-                notes.append(opt.support.note)
-            if len(chosen) > 1:
-                notes.append("per batch: " + ", then ".join(
-                    f"{m.comm_mode} ({m.layout}, {m.payload}"
-                    + (f", up to {m.max_tokens_per_rank} tokens/rank)" if m.max_tokens_per_rank
-                       else ")") for m in chosen))
-            quantized = sorted({m.payload for m in chosen} - {F.UNQUANTIZED})
-            if quantized:
-                notes.append(f"dispatch carries {', '.join(quantized)} activations (both sides "
-                             "declare it)")
-            if environment.available is None:
-                req = sorted(opt.spec.requires() | cspec.requires())
-                if req:
-                    notes.append(f"assumes {', '.join(req)} importable on the target (not checked)")
-            others = tuple(n for n in accepting if n != opt.spec.name)
             plan = LayerPlan(
                 problem=p, experts=opt.spec.name, comm=cspec.name, comm_mode=last.comm_mode,
                 layout=last.layout, payload=last.payload, runs_as=opt.runs_as,
-                degradations=tuple(degradations), notes=tuple(notes), alternatives=others,
+                degradations=tuple(degradations), notes=tuple(notes),
+                alternatives=tuple(n for n in accepting if n != opt.spec.name),
                 modes=tuple(chosen),
             )
             # what was turned down on the way (a mode's layout, payload or token bound) is reported
             return plan, rejections + list(dict.fromkeys(pair_failures))
-    # Every candidate pair failed on layout or payload.
     rejections.extend(pair_failures)
     lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in pair_failures)
     raise PlanError(
         f"layer {p.name} (format {p.format}): no communication backend pairs with the experts "
-        f"backends that run it ({', '.join(sorted({o.spec.name for o in experts_ok}))}): {lines}",
+        f"backends that run it ({', '.join(sorted({o.spec.name for o in experts}))}): {lines}",
         rejections,
     )
 

@@ -328,3 +328,28 @@ def test_modes_may_use_different_support_blocks_of_one_backend():
     assert lp.experts == "split_blocks"
     assert [(m.comm_mode, m.layout) for m in lp.modes] == [
         ("low_latency", "masked"), ("normal", "token_major")]
+
+
+def test_a_guard_asking_for_another_runs_as_gets_that_reason_and_sentence():
+    """A backend guard (SPEC.check with runs_as) on a degraded block: the sentence says what the
+    block runs the format as, not that the format is missing (the block declares it)."""
+    v = HOPPER_W4A16.check(layer(), runs_as="nvfp4_w4a4")
+    assert v.reason is Reason.UNSUPPORTED_RUNS_AS
+    assert v.message == "runs format nvfp4_w4a4 as nvfp4_w4a16, not as nvfp4_w4a4"
+
+
+def test_a_format_no_block_declares_lists_every_declared_format():
+    v = HOPPER_W4A16.check(layer("fp16"))
+    assert v.reason is Reason.UNSUPPORTED_FORMAT
+    assert v.message == ("does not run format fp16; it declares bf16, fp8_w8a8, nvfp4_w4a16, "
+                         "nvfp4_w4a4")
+
+
+def test_every_reason_is_documented_with_its_cause():
+    """The Reason set is closed and public: each value has a row in docs/writing-a-backend.md."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "writing-a-backend.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in doc.splitlines()
+            if line.startswith("| `")}
+    assert {r.value for r in Reason} <= rows
