@@ -23,8 +23,11 @@ class MoEExecutor:
     This is what a model integration calls with its own router's output (transformers' experts
     interface hands over ``top_k_index`` and ``top_k_weights``). When the plan has several
     communication modes (a bounded low-latency mode and an unbounded one), each batch uses the
-    first mode whose bound admits it; under expert parallelism the ranks first agree on the largest
-    batch (one all-reduce, only for such plans) so that every rank picks the same mode.
+    first mode whose bound admits the largest batch per rank of the forward. Under expert
+    parallelism every rank must pick the same mode without synchronising in the forward: the
+    engine passes that bound (``max_tokens_per_rank=``, as it knows its CUDA-graph capture size or
+    scheduled batch); without it every rank uses the plan's last mode, which admits every batch of
+    the deployment (the deployment is agreed across ranks at start-up).
     """
 
     def __init__(self, plan: LayerPlan, paths, weights: ExpertWeights | None, *,
@@ -44,20 +47,19 @@ class MoEExecutor:
                 return path
         raise AssertionError("the plan's modes and the executor's paths differ")
 
+    def _path(self, hidden: torch.Tensor, max_tokens_per_rank: int | None):
+        """The path of one forward, from host-side numbers only (no device-to-host copy)."""
+        if len(self.paths) == 1:
+            return self.paths[0]
+        if max_tokens_per_rank is not None:
+            return self.path_for(max_tokens_per_rank)
+        if self.ep_size == 1:
+            return self.path_for(hidden.shape[0])  # a shape: host metadata, not a sync
+        return self.paths[-1]
+
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  *, max_tokens_per_rank: int | None = None):
-        if len(self.paths) == 1:
-            _, comm, experts = self.paths[0]
-        else:
-            n = max_tokens_per_rank if max_tokens_per_rank is not None else hidden.shape[0]
-            if self.ep_size > 1 and max_tokens_per_rank is None:
-                import torch.distributed as dist
-
-                t = torch.tensor([n], dtype=torch.int64,
-                                 device=hidden.device if hidden.is_cuda else "cpu")
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-                n = int(t.item())
-            _, comm, experts = self.path_for(n)
+        _, comm, experts = self._path(hidden, max_tokens_per_rank)
         dispatched, handle = comm.dispatch(hidden, topk_ids, topk_weights,
                                            input_scale=self.input_scale)
         out = experts.forward(dispatched)
