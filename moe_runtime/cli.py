@@ -228,7 +228,7 @@ def cmd_plan(args) -> int:
             rej = [r.to_json() for r in getattr(exc, "rejections", ())]
             print(json.dumps({"checkpoint": checkpoint_summary(ckpt), "error": str(exc),
                               "rejections": rej}, indent=2))
-        print(f"error: {exc}", file=sys.stderr)
+        print("error: " + "\n".join(group_layer_lines(str(exc).splitlines())), file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json(),
@@ -239,30 +239,94 @@ def cmd_plan(args) -> int:
           f"(reported only), {len(plan.layers)} MoE layers")
     print(f"check: {'ok' if report.ok else 'memory warning'}; {report.summary}")
     print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
-    rows = [("layer", "format", "communication", "experts", "notes")]
-    for lp in plan.layers:
-        notes = "; ".join(list(lp.degradations) + list(lp.notes))
-        comm = lp.comm if lp.payload == "unquantized" else f"{lp.comm} ({lp.payload})"
-        rows.append((lp.problem.name, lp.problem.format, comm, lp.experts, notes))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-    if plan.rejections:
-        print("rejected:")
-        seen = set()
-        for r in plan.rejections:
-            key = (r.role, r.backend, r.reason, r.message)
-            if key in seen:
-                continue
-            seen.add(key)
-            layers = sum(1 for x in plan.rejections if (x.role, x.backend, x.reason, x.message)
-                         == key)
-            print(f"  {r.role} {r.backend}: {r.reason.value}: {r.message} ({layers} layer(s))")
+    print_plan_table(plan)
     from moe_runtime.first_party import degraded_plan_hints
 
     for line in degraded_plan_hints(lp.problem.name for lp in plan.layers if lp.degradations):
         print(line)
     return 0
+
+
+def layer_ranges(names) -> str:
+    """``layers 0-5, 7`` for names that differ only in one layer index, else the names."""
+    import re
+
+    names = list(dict.fromkeys(names))
+    parts = [re.fullmatch(r"(.*?\blayers\.)(\d+)(\..*|)", n) for n in names]
+    shapes = {(m.group(1), m.group(3)) for m in parts if m}
+    if len(names) == 1 or not all(parts) or len(shapes) != 1:
+        return ", ".join(names) if len(names) > 1 else names[0]
+    numbers = sorted(int(m.group(2)) for m in parts)
+    spans, start = [], numbers[0]
+    for prev, cur in zip(numbers, numbers[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    head, tail = shapes.pop()
+    return f"layers {', '.join(spans)} of {head}N{tail}"
+
+
+def group_layer_lines(lines) -> list[str]:
+    """Lines ``layer NAME (...): TEXT`` that differ only in NAME, as one line naming the layers."""
+    import re
+
+    groups: dict[tuple[str, str], list[str]] = {}
+    out: list[object] = []
+    for line in lines:
+        m = re.fullmatch(r"layer (\S+) (\(.*?\)): (.*)", line)
+        if not m:
+            out.append(line)
+            continue
+        key = (m.group(2), m.group(3))
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append(m.group(1))
+    text = []
+    for item in out:
+        if isinstance(item, tuple):
+            names = groups[item]
+            where = f"layer {names[0]}" if len(names) == 1 else layer_ranges(names)
+            text.append(f"{where} {item[0]}: {item[1]}")
+        else:
+            text.append(item)
+    return text
+
+
+NOTE_WIDTH = 100  # notes are printed once each, under the table, wrapped to this width
+
+
+def print_plan_table(plan, *, file=None) -> None:
+    """The per-layer table, each distinct note once (numbered), and rejections grouped by
+    backend and reason with the layers they hit."""
+    import textwrap
+
+    file = file or sys.stdout
+    numbers: dict[str, int] = {}
+    rows = [("layer", "format", "communication", "experts", "notes")]
+    for lp in plan.layers:
+        refs = [f"[{numbers.setdefault(n, len(numbers) + 1)}]"
+                for n in dict.fromkeys([*lp.degradations, *lp.notes])]
+        comm = lp.comm if lp.payload == "unquantized" else f"{lp.comm} ({lp.payload})"
+        rows.append((lp.problem.name, lp.problem.format, comm, lp.experts, " ".join(refs)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print(("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]).rstrip(),
+              file=file)
+    if numbers:
+        print("notes:", file=file)
+        for note, n in numbers.items():
+            print(textwrap.fill(note, NOTE_WIDTH, initial_indent=f"  [{n}] ",
+                                subsequent_indent=" " * (len(str(n)) + 5)), file=file)
+    if plan.rejections:
+        print("rejected:", file=file)
+        grouped: dict[tuple, list[str]] = {}
+        for r in plan.rejections:
+            grouped.setdefault((r.role, r.backend, r.reason.value, r.message), []).append(r.layer)
+        for (role, backend, reason, message), layers in grouped.items():
+            print(textwrap.fill(f"{role} {backend}: {reason}: {message} "
+                                f"[{layer_ranges(layers)}]", NOTE_WIDTH, initial_indent="  ",
+                                subsequent_indent="    "), file=file)
 
 
 # ---------------------------------------------------------------------------------- the parser
