@@ -2,8 +2,13 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed as server-sent events),
 ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/v1/moe/plan``. Every route but
-``/health`` checks ``api_key`` when one is set. One log line per request, written when its response
-ends (for a stream: when the stream ends).
+``/health`` and ``/metrics`` checks ``api_key`` when one is set (as vLLM guards only ``/v1``). One
+log line per request, written when its response ends (for a stream: when the stream ends); every
+response carries an ``x-request-id`` header, the client's own when it sent one.
+
+The app may be made before its engine (``create_app(None, served_model_name=...)``, then
+``app.state.server.attach(engine)``): until then ``/health`` answers 503 ``loading`` and the
+generation routes 503 ``model_loading``, so a server answers while its model loads.
 
 Client errors are answered in OpenAI's error shape and logged as that one line: bodies larger than
 ``max_request_bytes`` (413), nested deeper than ``protocol.MAX_JSON_DEPTH``, or not standard JSON
@@ -21,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -44,6 +50,9 @@ log = logging.getLogger("moe_runtime.serve")
 CLIENT_GONE = 499  # the status logged (never sent) for a client that left before its response
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+UNGUARDED = ("/health", "/metrics")  # answered without the API key
+_REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                              b"-_.:/+=@")
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
            "/v1/moe/plan")
 
@@ -53,20 +62,53 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+@attrs.frozen
+class _Job:
+    """One choice to generate: its index in the response, prompt, sampling and echoed prefix."""
+
+    index: int
+    prompt_ids: list
+    max_tokens: int
+    sampling: SamplingParams
+    echo: str = ""
+
+
 class _Server:
-    def __init__(self, engine: Engine, *, served_model_name: str | None, api_key: str | None,
-                 max_request_bytes: int) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | None, *, served_model_name: str | None,
+                 api_key: str | None, max_request_bytes: int,
+                 generation_defaults: dict | None = None) -> None:
+        if engine is None and not served_model_name:
+            raise ValueError("an app made before its engine needs served_model_name")
+        self.engine: Engine | None = None
         self.model_name = served_model_name or engine.loaded.name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
-        self.metrics = ServerMetrics(model_name=self.model_name, plan=engine.loaded.plan)
+        self.defaults = dict(generation_defaults or {})
+        self.metrics = ServerMetrics(model_name=self.model_name)
+        self._token_text: dict[int, str] = {}
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: Engine) -> None:
+        """Serve ``engine`` (loaded after the app started answering, or at once)."""
         engine.sampler.on_step = self.metrics.batch_sequences.observe
+        engine.on_tokens = self.metrics.observe_inter_token
+        self.metrics.describe_engine(engine)
+        self.engine = engine
+
+    def _ready_engine(self) -> Engine:
+        engine = self.engine
+        if engine is None:
+            raise APIError(503, "the model is still loading; retry when /health answers 200",
+                           type="server_error", code="model_loading")
+        return engine
 
     # -------------------------------------------------------------------------- plain routes
 
     async def health(self, request: Request) -> Response:
+        if self.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
         if self.engine.healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -75,8 +117,9 @@ class _Server:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     def _model_card(self) -> dict:
+        context = self.engine.context_length if self.engine is not None else None
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "moe-runtime", "max_model_len": self.engine.context_length}
+                "owned_by": "moe-runtime", "max_model_len": context}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -86,14 +129,14 @@ class _Server:
         return JSONResponse(self._model_card())
 
     async def plan(self, request: Request) -> Response:
-        return JSONResponse(self.engine.loaded.plan)
+        return JSONResponse(self._ready_engine().loaded.plan)
 
     # -------------------------------------------------------------------------- generation
 
     async def _body(self, request: Request):
         limit = self.max_request_bytes
-        too_large = APIError(413, f"the request body is larger than {limit} bytes",
-                             code="request_too_large")
+        too_large = APIError(413, f"the request body is larger than {limit} bytes (the "
+                                  "server's --max-request-bytes)", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
@@ -118,6 +161,7 @@ class _Server:
                           f"has {n}", "prompt", "context_length_exceeded")
         room = ctx - n
         if requested is None:
+            default = self.defaults.get("max_tokens", default)
             return room if default is None else min(default, room)
         if requested > room:
             raise invalid(f"this model's maximum context length is {ctx} tokens; you requested "
@@ -138,99 +182,154 @@ class _Server:
             raise invalid("the prompt is empty", "prompt")
         return ids
 
-    @staticmethod
-    def _sampling(req) -> SamplingParams:
+    def _sampling(self, req, choice: int = 0) -> SamplingParams:
+        """A request's sampling; fields it omits come from the model's generation config."""
+        d = self.defaults
+
+        def pick(name, fallback):
+            value = getattr(req, name)
+            return value if value is not None else d.get(name, fallback)
+
+        top_k = pick("top_k", 0)
+        seed = req.seed if req.seed is None else req.seed + choice  # n > 1: one seed a choice
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=req.seed,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=0 if top_k in (None, -1) else top_k,
+            seed=seed,
+            logprobs=req.top_logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
         )
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
         req.check_supported()
         self._check_model(req.model)
-        prompt_ids = self._prompt_ids(req.single_prompt())
-        max_tokens = self._budget(prompt_ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
-        return await self._respond(request, "/v1/completions", req, prompt_ids, max_tokens,
-                                   chat=False)
+        self._ready_engine()
+        jobs = []
+        for p, prompt in enumerate(req.prompts()):
+            ids = self._prompt_ids(prompt)
+            max_tokens = self._budget(ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
+            echo = ""
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
+                    ids, skip_special_tokens=False)
+            jobs += [_Job(p * req.n + j, ids, max_tokens, self._sampling(req, j), echo)
+                     for j in range(req.n)]
+        return await self._respond(request, "/v1/completions", req, jobs, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
         req.check_supported()
         self._check_model(req.model)
+        engine = self._ready_engine()
         try:
-            prompt_ids = self.engine.encode_chat(req.chat_messages())
+            prompt_ids = engine.encode_chat(req.chat_messages(), req.chat_template_kwargs)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
         max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None)
-        return await self._respond(request, "/v1/chat/completions", req, prompt_ids, max_tokens,
-                                   chat=True)
+        jobs = [_Job(j, prompt_ids, max_tokens, self._sampling(req, j)) for j in range(req.n)]
+        return await self._respond(request, "/v1/chat/completions", req, jobs, chat=True)
 
-    async def _respond(self, request: Request, route: str, req, prompt_ids: list[int],
-                       max_tokens: int, *, chat: bool) -> Response:
+    async def _respond(self, request: Request, route: str, req, jobs: list[_Job], *,
+                       chat: bool) -> Response:
         if not self.engine.healthy:
             raise APIError(503, "the generation engine is not running", type="server_error",
                            code="engine_unavailable")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        request.state.moe_request = {"id": rid, "prompt_tokens": len(prompt_ids)}
-        stream = self.engine.generate(prompt_ids, max_tokens=max_tokens,
-                                      sampling=self._sampling(req), stop=req.stop_sequences,
-                                      request_id=rid)
+        prompt_tokens = _prompt_tokens(jobs)
+        request.state.moe_request = {"id": rid, "prompt_tokens": prompt_tokens}
+        stop = req.stop_sequences
+        streams = [self.engine.generate(job.prompt_ids, max_tokens=job.max_tokens,
+                                        sampling=job.sampling, stop=stop,
+                                        request_id=rid if len(jobs) == 1 else
+                                        f"{rid}-{job.index}")
+                   for job in jobs]
         if req.stream:
-            events = self._events(request, route, req, stream, rid, created, len(prompt_ids),
-                                  chat=chat)
+            events = self._events(request, route, req, jobs, streams, rid, created, chat=chat)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         self.metrics.in_progress.inc()
+        started = time.perf_counter()
         try:
-            text, last = [], None
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    text.append(delta.text)
-                    last = delta
+            results = await _all(_collect(stream) for stream in streams)
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
         except EngineError as exc:
             raise APIError(500, f"generation failed: {exc}", type="server_error") from None
         finally:
             self.metrics.in_progress.dec()
-        self._account(route, request, len(prompt_ids), last)
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if req.return_token_ids:
-            choice["token_ids"] = list(last.token_ids)
+        choices = []
+        for job, (text, last) in zip(jobs, results, strict=True):
+            self._account(route, request, job, last, started=started)
+            choice = {"index": job.index, "finish_reason": last.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = job.echo + text
+            if job.sampling.logprobs is not None:
+                choice["logprobs"] = self._logprobs(last.logprobs, chat=chat,
+                                                    offset=len(job.echo))
+            if req.return_token_ids:
+                choice["token_ids"] = list(last.token_ids)
+            choices.append(choice)
+        request.state.moe_request.update(
+            completion_tokens=sum(len(last.token_ids) for _, last in results),
+            finish_reason=",".join(sorted({last.finish_reason or "abort" for _, last in results})))
         return JSONResponse({
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": self.model_name,
-            "choices": [choice],
-            "usage": _usage(len(prompt_ids), last),
+            "choices": choices,
+            "usage": _usage(prompt_tokens, [last for _, last in results]),
             "system_fingerprint": None,
         })
 
-    def _account(self, route: str, request: Request, prompt_tokens: int,
-                 last: Delta | None, reason: str | None = None) -> None:
-        completion = len(last.token_ids) if last else 0
-        m = self.metrics
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(completion)
-        m.prompt_length.observe(prompt_tokens)
-        m.generation_length.observe(completion)
-        reason = reason or (last.finish_reason if last else None) or "abort"
-        m.finished.labels(reason=reason).inc()
-        if last is not None and last.first_token_s is not None:
-            m.first_token_latency.labels(route=route).observe(last.first_token_s)
-        request.state.moe_request.update(completion_tokens=completion, finish_reason=reason)
+    # -------------------------------------------------------------------------- logprobs
 
-    async def _events(self, request: Request, route: str, req, stream: AsyncIterator[Delta],
-                      rid: str, created: int, prompt_tokens: int, *, chat: bool):
+    def _text_of(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self.engine.tokenizer.decode([token], skip_special_tokens=False,
+                                                clean_up_tokenization_spaces=False)
+            if len(self._token_text) < 1 << 20:
+                self._token_text[token] = text
+        return text
+
+    def _logprobs(self, records, *, chat: bool, offset: int = 0) -> dict:
+        """``records`` in OpenAI's shape: chat's ``content`` list, or completions' four lists."""
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = self._text_of(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(r.token, r.logprob),
+                                 "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                                for r in records], "refusal": None}
+        tokens, offsets = [], []
+        for r in records:
+            offsets.append(offset)
+            tokens.append(self._text_of(r.token))
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
+                "top_logprobs": [{self._text_of(t): lp for t, lp in r.top} for r in records],
+                "text_offset": offsets}
+
+    def _account(self, route: str, request: Request, job: _Job, last: Delta | None,
+                 reason: str | None = None, *, started: float) -> None:
+        completion = len(last.token_ids) if last else 0
+        reason = reason or (last.finish_reason if last else None) or "abort"
+        self.metrics.finished_request(
+            route=route, prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
+            reason=reason, first_token_s=last.first_token_s if last is not None else None,
+            seconds=time.perf_counter() - started)
+
+    async def _events(self, request: Request, route: str, req, jobs: list[_Job],
+                      streams: list[AsyncIterator[Delta]], rid: str, created: int, *,
+                      chat: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, usage: dict | None = None) -> str:
@@ -240,9 +339,9 @@ class _Server:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        def choice(text: str | None, finish: str | None, first: bool = False,
-                   token_ids=None) -> dict:
-            c = {"index": 0, "finish_reason": finish, "logprobs": None}
+        def choice(job: _Job, text: str | None, finish: str | None, first: bool = False,
+                   token_ids=None, logprobs=None) -> dict:
+            c = {"index": job.index, "finish_reason": finish, "logprobs": logprobs}
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
@@ -254,26 +353,43 @@ class _Server:
                 c["token_ids"] = token_ids
             return c
 
-        last: Delta | None = None
+        lasts: dict[int, Delta] = {}
+        sent = {job.index: 0 for job in jobs}
+        text_at = {job.index: len(job.echo) for job in jobs}
+        by_index = {job.index: job for job in jobs}
+        done: set[int] = set()
         reason = None
+        started = time.perf_counter()
         self.metrics.in_progress.inc()
+        merged = _merge(streams, [job.index for job in jobs])
         try:
-            async with contextlib.aclosing(stream):
-                if chat:
-                    yield chunk([choice(None, None, first=True)])
-                sent = 0
-                async for delta in stream:
-                    new_ids = None
-                    if req.return_token_ids:
-                        new_ids = list(delta.token_ids[sent:])
-                        sent = len(delta.token_ids)
-                    last = delta
-                    yield chunk([choice(delta.text, delta.finish_reason, token_ids=new_ids)])
+            async with contextlib.aclosing(merged):
+                for job in jobs:
+                    if chat:
+                        yield chunk([choice(job, None, None, first=True)])
+                    elif job.echo:
+                        yield chunk([choice(job, job.echo, None)])
+                async for index, delta in merged:
+                    job = by_index[index]
+                    start, end = sent[index], len(delta.token_ids)
+                    new_ids = list(delta.token_ids[start:]) if req.return_token_ids else None
+                    logprobs = None
+                    if job.sampling.logprobs is not None:
+                        logprobs = self._logprobs(delta.logprobs[start:end], chat=chat,
+                                                  offset=text_at[index])
+                        if not chat:
+                            text_at[index] += sum(len(t) for t in logprobs["tokens"])
+                    sent[index] = end
+                    lasts[index] = delta
+                    if delta.finish_reason is not None:
+                        done.add(index)
+                    yield chunk([choice(job, delta.text, delta.finish_reason, token_ids=new_ids,
+                                        logprobs=logprobs)])
                     if await request.is_disconnected():
                         reason = "abort"
                         return
             if req.include_usage:
-                yield chunk([], _usage(prompt_tokens, last))
+                yield chunk([], _usage(_prompt_tokens(jobs), list(lasts.values())))
             yield "data: [DONE]\n\n"
         except (EngineUnavailable, EngineError) as exc:
             reason = "error"
@@ -281,17 +397,93 @@ class _Server:
             err = APIError(status, str(exc), type="server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         except asyncio.CancelledError:
-            reason = "abort"  # the client went away; the engine request is cancelled already
+            reason = "abort"  # the client went away; the engine requests are cancelled already
             raise
         finally:
             self.metrics.in_progress.dec()
-            self._account(route, request, prompt_tokens, last, reason)
+            for job in jobs:
+                self._account(route, request, job, lasts.get(job.index),
+                              None if job.index in done else (reason or "abort"),
+                              started=started)
+            request.state.moe_request.update(
+                completion_tokens=sum(len(d.token_ids) for d in lasts.values()),
+                finish_reason=",".join(sorted({(d.finish_reason or reason or "abort")
+                                               for d in lasts.values()})) or reason)
 
 
-def _usage(prompt_tokens: int, last: Delta | None) -> dict:
-    completion = len(last.token_ids) if last else 0
+def _prompt_tokens(jobs: list[_Job]) -> int:
+    # a prompt is counted once however many choices it has (as OpenAI's usage counts it)
+    seen, total = set(), 0
+    for job in jobs:
+        key = id(job.prompt_ids)
+        if key not in seen:
+            seen.add(key)
+            total += len(job.prompt_ids)
+    return total
+
+
+def _usage(prompt_tokens: int, lasts: list) -> dict:
+    completion = sum(len(last.token_ids) for last in lasts if last is not None)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
+
+
+async def _collect(stream: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """A whole response: its text and its last delta."""
+    parts, last = [], None
+    async with contextlib.aclosing(stream):
+        async for delta in stream:
+            parts.append(delta.text)
+            last = delta
+    return "".join(parts), last
+
+
+async def _all(coroutines) -> list:
+    """Run ``coroutines`` together; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _merge(streams: list[AsyncIterator[Delta]], indices: list[int]):
+    """(index, delta) from every stream as they come; closing it closes them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for delta in streams[0]:
+                yield indices[0], delta
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    await out.put((index, delta))
+            await out.put((index, end))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, raised there
+            await out.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in zip(indices, streams, strict=True)]
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await out.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Guard:
@@ -309,10 +501,13 @@ class _Guard:
         path = scope["path"]
         status_holder = {"status": 500}
         scope.setdefault("state", {})
+        request_id = _request_id(scope)
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
@@ -328,11 +523,12 @@ class _Guard:
                 status_holder["status"] = CLIENT_GONE
             scope["state"].setdefault("moe_request", {})["client_gone"] = True
         finally:
-            self._finish(scope, path, status_holder["status"], time.perf_counter() - start)
+            self._finish(scope, path, status_holder["status"], time.perf_counter() - start,
+                         request_id)
 
     def _auth_error(self, scope) -> APIError | None:
         key = self.server.api_key
-        if not key or scope["path"] == "/health":
+        if not key or scope["path"] in UNGUARDED:
             return None
         header = ""
         for name, value in scope.get("headers", ()):
@@ -347,13 +543,11 @@ class _Guard:
         return APIError(401, f"{what}; send it as 'Authorization: Bearer <key>'",
                         code="invalid_api_key")
 
-    def _finish(self, scope, path: str, status: int, seconds: float) -> None:
+    def _finish(self, scope, path: str, status: int, seconds: float, request_id: str) -> None:
         route = path if path in _ROUTES or path.startswith("/v1/models/") else "other"
         if route.startswith("/v1/models/"):
             route = "/v1/models/{model}"
-        m = self.server.metrics
-        m.requests.labels(route=route, status=str(status)).inc()
-        m.request_latency.labels(route=route).observe(seconds)
+        self.server.metrics.finished_http(route, status, seconds)
         state = scope.get("state", {}).get("moe_request", {})
         extra = ""
         if "prompt_tokens" in state:
@@ -362,20 +556,44 @@ class _Guard:
                      f"finish={state.get('finish_reason')}")
         if state.get("client_gone"):
             extra += " client_disconnected"
+        extra += f" request_id={request_id}"
         client = scope.get("client") or ("-", 0)
         access_log.info("%s:%s %s %s %d %.1fms%s", client[0], client[1], scope.get("method"),
                         path[:200], status, seconds * 1000, extra)
 
 
-def create_app(engine: Engine, *, served_model_name: str | None = None,
+def _request_id(scope) -> str:
+    """The client's ``x-request-id`` (printable, at most 128 characters), else a new one."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            if 0 < len(value) <= 128 and set(value) <= _REQUEST_ID_CHARS:
+                return value.decode()
+            break
+    return uuid.uuid4().hex
+
+
+@attrs.frozen
+class CorsOptions:
+    """Cross-origin requests allowed (vLLM's ``--allowed-origins`` and its three kin)."""
+
+    allowed_origins: tuple[str, ...] = attrs.field(converter=tuple)
+    allowed_methods: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
+    allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
+    allow_credentials: bool = False
+
+
+def create_app(engine: Engine | None, *, served_model_name: str | None = None,
                api_key: str | None = None, max_request_bytes: int = 1 << 20,
-               manage_engine: bool = True) -> Starlette:
-    """The ASGI app serving ``engine``.
+               manage_engine: bool = True, generation_defaults: dict | None = None,
+               cors: CorsOptions | None = None) -> Starlette:
+    """The ASGI app serving ``engine`` (``None``: one attached later, see the module).
 
     With ``manage_engine`` the app starts the engine on start-up and stops it on shutdown.
+    ``generation_defaults`` (``temperature``, ``top_p``, ``top_k``, ``max_tokens``) fill what a
+    request omits; ``cors`` adds CORS headers for the origins it names.
     """
     server = _Server(engine, served_model_name=served_model_name, api_key=api_key,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, generation_defaults=generation_defaults)
 
     def wrap(handler):
         async def endpoint(request: Request) -> Response:
@@ -397,12 +615,12 @@ def create_app(engine: Engine, *, served_model_name: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if manage_engine:
+        if manage_engine and engine is not None:
             engine.start()
         try:
             yield
         finally:
-            if manage_engine:
+            if manage_engine and engine is not None:
                 engine.shutdown()
 
     routes = [
@@ -417,5 +635,13 @@ def create_app(engine: Engine, *, served_model_name: str | None = None,
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.add_middleware(_Guard, server=server)
+    if cors is not None:  # outermost: a preflight needs no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials,
+                           expose_headers=["x-request-id"])
     app.state.server = server
     return app

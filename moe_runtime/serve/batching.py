@@ -152,13 +152,17 @@ class CacheBatcher:
     either. Each step it admits waiting requests up to ``max_batch_size`` (their prompts prefilled
     together, left-padded, then stacked onto the running batch), runs one decode step for every
     running request, and drops the rows that finished. Sampling is :class:`PerRequestSampler`'s.
+    With ``max_cache_tokens``, a waiting request joins only while the running rows' prompts and
+    ``max_new_tokens`` (the most each can hold) fit in that many tokens; the first always joins.
     """
 
     def __init__(self, model, sampler: PerRequestSampler, *, max_batch_size: int,
-                 pad_token_id: int) -> None:
+                 pad_token_id: int, max_cache_tokens: int | None = None) -> None:
         self.model = model
         self.sampler = sampler
         self.max_batch_size = max_batch_size
+        # a request is admitted while the running rows' prompts and max_new_tokens fit in this
+        self.max_cache_tokens = max_cache_tokens
         self.pad_token_id = pad_token_id
         self.fatal_error: BaseException | None = None
         self._device = next(model.parameters()).device
@@ -169,6 +173,7 @@ class CacheBatcher:
         params = inspect.signature(type(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._incoming: queue.Queue[_Request] = queue.Queue()
+        self._deferred: _Request | None = None  # waiting for room in the cache
         self._cancelled: set[str] = set()
         self._live: set[str] = set()  # queued or running requests
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
@@ -208,7 +213,7 @@ class CacheBatcher:
     def pending(self) -> dict[str, int]:
         """What the batcher still holds: running rows, queued requests, handlers, cancellations."""
         with self._lock:
-            return {"running": len(self._rows), "queued": self._incoming.qsize(),
+            return {"running": len(self._rows), "queued": self._incoming.qsize() + (self._deferred is not None),
                     "handlers": len(self._handlers), "cancelled": len(self._cancelled),
                     "live": len(self._live)}
 
@@ -267,12 +272,22 @@ class CacheBatcher:
         room = self.max_batch_size - len(self._rows)
         new: list[_Request] = []
         block = not self._rows
+        reserved = sum(len(r.prompt) + r.max_new_tokens for r in self._rows)
         while len(new) < room:
-            try:
-                req = self._incoming.get(timeout=0.05) if block and not new else \
-                    self._incoming.get_nowait()
-            except queue.Empty:
+            if self._deferred is not None:
+                req, self._deferred = self._deferred, None
+            else:
+                try:
+                    req = self._incoming.get(timeout=0.05) if block and not new else \
+                        self._incoming.get_nowait()
+                except queue.Empty:
+                    break
+            need = len(req.prompt) + req.max_new_tokens
+            if (self.max_cache_tokens is not None and (self._rows or new)
+                    and reserved + need > self.max_cache_tokens):
+                self._deferred = req  # first in line: it joins when rows leave
                 break
+            reserved += need
             with self._lock:
                 cancelled = req.request_id in self._cancelled
                 self._cancelled.discard(req.request_id)

@@ -9,6 +9,9 @@ import socket
 import sys
 import textwrap
 import threading
+from pathlib import Path
+
+import attrs
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BATCHING = ("auto", "continuous", "dynamic")  # moe_runtime.serve.batching.CHOICES, without torch
@@ -29,46 +32,123 @@ def served_families_text() -> str:
     return "\n".join(lines)
 
 
+ENV_API_KEY = "MOE_RUNTIME_API_KEY"
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # vllm serve's choices
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+# exit statuses (docs/serve.md lists them)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _origins(text: str) -> list[str]:
+    """A JSON list (vLLM's form) or comma-separated values."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("a JSON list of strings is expected")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``moe-runtime serve`` to ``parser`` (and the served families to its
-    help)."""
+    help). Names follow ``vllm serve`` where the meaning is the same; older names stay as
+    aliases."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = (served_families_text() + "\n\nThe server answers /health with 503 until a "
-                     "first token has been generated through the planned model; if that fails it "
-                     "exits with an error naming the architecture and the failing module.")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="a local Hugging Face-format checkpoint folder (default: the embedded "
-                             "tiny MoE model, made on first use in the user cache)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000,
-                        help="port to listen on (default 8000; 0 picks a free one)")
-    parser.add_argument("--moe-runner-backend", default=None, metavar="NAME",
-                        help="pin the experts backend (default: the planner's choice per layer)")
-    parser.add_argument("--moe-a2a-backend", default=None, metavar="NAME",
-                        help="pin the communication backend (default: the planner's choice)")
-    parser.add_argument("--device", default="auto",
-                        help="torch device to run on: auto (CUDA when present, else cpu), cpu, "
-                             "cuda, cuda:1 ...")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "bfloat16", "float16", "float32"),
-                        help="compute dtype (default auto: the checkpoint's)")
-    parser.add_argument("--max-batch-size", type=int, default=8, metavar="N",
-                        help="most requests decoded together (default 8)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+    parser.epilog = (served_families_text() + "\n\nThe server listens at once: /health answers "
+                     "503 while the model loads and until a first token has been generated "
+                     "through the planned model; if that fails it exits 1 with an error naming "
+                     "the architecture and the failing module. Exit statuses: 0 stopped, 1 "
+                     "failed, 2 bad options, 130 interrupted (Ctrl+C). docs/serve.md lists the "
+                     "routes, options, environment variables and metrics.")
+    model = parser.add_argument_group("model")
+    model.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help="a local Hugging Face-format checkpoint folder, or the id of a hub "
+                            "model already in the Hugging Face cache (org/name; never "
+                            "downloaded). Default: the embedded tiny MoE model, made on first "
+                            "use in the user cache")
+    model.add_argument("--model", metavar="MODEL", default=None,
+                       help="the same as the positional MODEL")
+    model.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id clients send (default: the hub id, or the model "
+                            "folder's name)")
+    model.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
+                       help="take the tokenizer from this folder or cached hub id (default: the "
+                            "model's); a model without tokenizer files is refused at start")
+    model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template file, or the template itself inline; it "
+                            "replaces the tokenizer's")
+    model.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="sampling defaults for requests that omit them (temperature, "
+                            "top_p, top_k, max_tokens from max_new_tokens): auto (default: the "
+                            "model's generation_config.json), vllm (none: temperature 1, top_p "
+                            "1), or a folder holding a generation_config.json")
+    model.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="compute dtype (default auto: the checkpoint's; half = float16, "
+                            "float = float32)")
+    model.add_argument("--moe-runner-backend", default=None, metavar="NAME",
+                       help="pin the experts backend (default: the planner's choice per layer)")
+    model.add_argument("--moe-a2a-backend", default=None, metavar="NAME",
+                       help="pin the communication backend (default: the planner's choice)")
+    model.add_argument("--device", default="auto",
+                       help="torch device to run on: auto (CUDA when present, else cpu), cpu, "
+                            "cuda, cuda:1 ...")
+    engine = parser.add_argument_group("batching and memory")
+    engine.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int,
+                        default=8, metavar="N",
+                        help="most requests decoded together (default 8; --max-batch-size is "
+                             "the older name)")
+    engine.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                         help="cap on prompt + completion tokens (default: the model's context)")
-    parser.add_argument("--api-key", default=os.environ.get("MOE_RUNTIME_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: $MOE_RUNTIME_API_KEY, else no key)")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="the model id clients send (default: the model folder's name)")
-    parser.add_argument("--batching", default="auto", choices=BATCHING,
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="size the KV cache so that the server holds at most this fraction "
+                             "of the device's memory, weights included (a CUDA device's total "
+                             "memory; on cpu, physical memory). Default: room for --max-num-seqs "
+                             "sequences of --max-model-len tokens")
+    engine.add_argument("--kv-cache-tokens", type=int, default=None, metavar="TOKENS",
+                        help="size the KV cache in tokens instead (all sequences together)")
+    engine.add_argument("--batching", default="auto", choices=BATCHING,
                         help="how requests are batched: auto (default: continuous where "
                              "transformers' paged KV cache holds the model's keys and values, "
                              "else dynamic), continuous (paged cache), dynamic (padded "
                              "DynamicCache)")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                        help="log level (default info: one line per request)")
+    engine.add_argument("--seed", type=int, default=None,
+                        help="seed the draws of requests that send no seed, so a restarted "
+                             "server answers the same unseeded requests in the same order alike "
+                             "(default: fresh randomness)")
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: this machine only)")
+    http.add_argument("--port", type=int, default=8000,
+                      help="port to listen on (default 8000; 0 picks a free one)")
+    http.add_argument("--api-key", default=os.environ.get(ENV_API_KEY),
+                      help="require 'Authorization: Bearer KEY' on every route but /health and "
+                           f"/metrics (default: ${ENV_API_KEY}, else no key)")
+    http.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                      help="answer cross-origin (CORS) requests from these origins: a JSON list "
+                           "or comma-separated, '*' for any (default: no CORS headers)")
+    http.add_argument("--allowed-methods", type=_origins, default=["*"], metavar="METHODS",
+                      help="CORS: allowed methods (default '*'; with --allowed-origins)")
+    http.add_argument("--allowed-headers", type=_origins, default=["*"], metavar="HEADERS",
+                      help="CORS: allowed request headers (default '*'; with --allowed-origins)")
+    http.add_argument("--allow-credentials", action="store_true",
+                      help="CORS: allow credentials (with --allowed-origins)")
+    http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                      metavar="BYTES",
+                      help=f"largest request body accepted; larger ones get 413 (default "
+                           f"{DEFAULT_MAX_REQUEST_BYTES})")
+    http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                      metavar="SECONDS",
+                      help="on SIGTERM or Ctrl+C, wait this long for running requests before "
+                           f"closing them (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    http.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                      help="log level (default info: one line per request)")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of a start-up failure")
 
@@ -96,104 +176,267 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class UsageError(ValueError):
+    """An option's value cannot be used; the message names the option (exit status 2)."""
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.max_batch_size < 1:
+        raise UsageError(f"--max-num-seqs must be at least 1, got {args.max_batch_size}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    util = args.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise UsageError(f"--gpu-memory-utilization must lie in (0, 1], got {util}")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        raise UsageError(f"--kv-cache-tokens must be at least 1, got {args.kv_cache_tokens}")
+    if util is not None and args.kv_cache_tokens is not None:
+        raise UsageError("give --gpu-memory-utilization or --kv-cache-tokens, not both")
+    if args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
+    if args.shutdown_timeout < 0:
+        raise UsageError(f"--shutdown-timeout must not be negative, got {args.shutdown_timeout}")
+
+
+def chat_template_text(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--chat-template {value}: cannot be read: {exc}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template (one has "
+                     "'{{ ... }}' or '{% ... %}')")
+
+
+@attrs.frozen
+class ServeSource:
+    """Where the model comes from, resolved before anything heavy is imported."""
+
+    model_dir: Path | None  # None: the embedded default model (made on first use)
+    name: str
+    tokenizer_dir: Path | None
+    chat_template: str | None
+    generation_config: str | Path | None
+
+
+def resolve_serve_source(args: argparse.Namespace) -> ServeSource:
+    """The model, tokenizer, chat template and generation config that ``args`` name."""
+    from moe_runtime.serve.model_source import SourceError, resolve_source
+
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    spec = args.model or args.model_tag
+    try:
+        model_dir = resolve_source(spec) if spec else None
+        tokenizer_dir = (resolve_source(args.tokenizer, what="tokenizer", need_config=False)
+                         if args.tokenizer else None)
+        gen = args.generation_config
+        if gen not in ("auto", "vllm", "none"):
+            gen = resolve_source(gen, what="--generation-config", need_config=False)
+            if not (gen / "generation_config.json").is_file():
+                raise SourceError(f"--generation-config {args.generation_config}: the folder has "
+                                  "no generation_config.json; accepted: auto, vllm, or a folder "
+                                  "holding one")
+    except SourceError as exc:
+        raise UsageError(str(exc)) from None
+    if spec is None:
+        from moe_runtime.serve.default_model import DEFAULT_MODEL_NAME
+
+        name = DEFAULT_MODEL_NAME
+    else:
+        is_folder = Path(spec).expanduser().is_dir()
+        name = model_dir.name if is_folder else spec.partition("@")[0]
+    template = chat_template_text(args.chat_template) if args.chat_template else None
+    return ServeSource(model_dir, args.served_model_name or name, tokenizer_dir, template,
+                       None if gen in ("vllm", "none") else gen)
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine and serve until interrupted. Returns the exit status."""
+    """Serve until stopped; returns the exit status (0, 1, 2 or 130; see the --help epilog)."""
+    try:
+        return _run_serve(args)
+    except KeyboardInterrupt:  # Ctrl+C before the server took over the signal, or after
+        print("moe-runtime serve: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run_serve(args: argparse.Namespace) -> int:
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("moe_runtime.serve")
-
-    if args.max_batch_size < 1:
-        print(f"error: --max-batch-size must be at least 1, got {args.max_batch_size}",
-              file=sys.stderr)
-        return 2
-    if args.max_model_len is not None and args.max_model_len < 2:
-        print(f"error: --max-model-len must be at least 2, got {args.max_model_len}",
-              file=sys.stderr)
-        return 2
+    try:
+        _check_numbers(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        source = resolve_serve_source(args)
+    except UsageError as exc:  # a model, tokenizer or template that cannot be found or read
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
     with sock:
         try:
-            return _serve_on(sock, args, level, log)
+            return _serve_on(sock, args, source, level, log)
+        except KeyboardInterrupt:
+            raise
         except Exception as exc:  # one paragraph, not a traceback (unless --debug)
             if args.debug:
                 raise
             print(f"error: serving failed: {type(exc).__name__}: {exc} (run with "
                   "--debug for the traceback)", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
 
 
-def _serve_on(sock: socket.socket, args: argparse.Namespace, level: int, log) -> int:
+class _StartupFailure(Exception):
+    """Loading or the first token failed; the message is the one paragraph to print."""
+
+
+def _load_engine(args: argparse.Namespace, source: ServeSource, log):
+    """Load the model, size the KV cache and start the engine (on the loading thread)."""
+    from moe_runtime.serve.batching import BatchingError
+    from moe_runtime.serve.engine import Engine, context_length_of
+    from moe_runtime.serve.kv_budget import BudgetError, kv_budget
     from moe_runtime.serve.loading import LoadError, load_for_serving
 
-    model_dir, name = args.model, args.served_model_name
+    model_dir = source.model_dir
     if model_dir is None:
-        from moe_runtime.serve.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from moe_runtime.serve.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
-        name = name or DEFAULT_MODEL_NAME
+    if args.seed is not None:
+        import random
+
+        import torch
+
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+    device = _resolve_device(args.device)
     try:
         loaded = load_for_serving(
-            model_dir,
-            device=_resolve_device(args.device),
-            moe_runner_backend=args.moe_runner_backend,
-            moe_a2a_backend=args.moe_a2a_backend,
-            progress=True,
-            dtype=args.dtype,
-        )
+            model_dir, device=device, moe_runner_backend=args.moe_runner_backend,
+            moe_a2a_backend=args.moe_a2a_backend, progress=True, dtype=args.dtype,
+            tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
+            generation_config=source.generation_config)
     except LoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-    import uvicorn
-
-    from moe_runtime.serve.app import create_app
-    from moe_runtime.serve.batching import BatchingError
-    from moe_runtime.serve.engine import Engine, ReadinessError
-
+        raise _StartupFailure(_grouped(str(exc))) from None
+    if loaded.generation_defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(loaded.generation_defaults.items()))
+        log.info("sampling defaults from generation_config.json for requests that omit them: %s",
+                 shown)
     try:
+        context = context_length_of(loaded, args.max_model_len)
+        budget = kv_budget(config=loaded.model.config, dtype_bytes=loaded.model.dtype.itemsize,
+                           device=device, context_length=context,
+                           max_num_seqs=args.max_batch_size,
+                           kv_cache_tokens=args.kv_cache_tokens,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
         engine = Engine(loaded, max_batch_size=args.max_batch_size,
                         max_model_len=args.max_model_len, batching=args.batching,
-                        debug=args.debug)
-    except BatchingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+                        debug=args.debug, kv_cache_tokens=budget.tokens, seed=args.seed)
+    except (BatchingError, BudgetError) as exc:
+        raise _StartupFailure(str(exc)) from None
     log.info("batching: %s", engine.batching.describe())
+    log.info("KV cache: %s; room for %d sequences of the full %d-token context", budget.describe(),
+             budget.tokens // context, context)
     engine.start(probe=False)
-    name = name or loaded.name
-    # The app does not manage the engine: it is started here, probed on a thread while /health
-    # answers 503, and stopped after the server.
-    app = create_app(engine, served_model_name=name, api_key=args.api_key, manage_engine=False)
+    return engine
+
+
+def _grouped(message: str) -> str:
+    """A planner refusal with one line per layer, as ``moe-runtime plan`` groups it."""
+    try:
+        from moe_runtime.cli import group_layer_lines
+    except ImportError:  # pragma: no cover
+        return message
+    return "\n".join(group_layer_lines(message.splitlines()))
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource, level: int,
+              log) -> int:
+    import uvicorn
+
+    from moe_runtime.serve.app import CorsOptions, create_app
+    from moe_runtime.serve.engine import ReadinessError
+
+    cors = None
+    if args.allowed_origins:
+        cors = CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                           args.allow_credentials)
+    # The app answers at once (503 while loading); the model loads on a thread and is attached.
+    app = create_app(None, served_model_name=source.name, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes, manage_engine=False, cors=cors)
+    server_state = app.state.server
     config = uvicorn.Config(app, log_config=None, log_level=level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5)
+                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
-    failure: list[ReadinessError] = []
-
-    def probe() -> None:
-        try:
-            seconds = engine.probe()
-        except ReadinessError as exc:
-            failure.append(exc)
-            server.should_exit = True
-            return
-        log.info("ready: the first token took %.2f s", seconds)
-
+    failure: list[str] = []
+    engines: list = []
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    log.info("serving %r (%d MoE layers, context %d tokens) at http://%s:%d/v1%s (ready once a "
-             "first token is generated)", name, len(loaded.plan.get("layers", [])),
-             engine.context_length, shown, port, " (API key required)" if args.api_key else "")
-    threading.Thread(target=probe, name="moe-runtime-readiness", daemon=True).start()
+    log.info("listening at http://%s:%d (/health answers 503 until the model is loaded and has "
+             "generated a first token)", shown, port)
+
+    def load_and_probe() -> None:
+        try:
+            engine = _load_engine(args, source, log)
+            engines.append(engine)
+            if server.should_exit:
+                return
+            # sampling defaults are known only now: the app reads them from the server state
+            server_state.defaults = dict(engine.loaded.generation_defaults)
+            server_state.attach(engine)
+            log.info("serving %r (%d MoE layers, context %d tokens) at http://%s:%d/v1%s (ready "
+                     "once a first token is generated)", source.name,
+                     len(engine.loaded.plan.get("layers", [])), engine.context_length, shown,
+                     port, " (API key required)" if args.api_key else "")
+            seconds = engine.probe()
+        except (_StartupFailure, ReadinessError) as exc:
+            failure.append(str(exc))
+        except Exception as exc:
+            if args.debug:
+                import traceback
+
+                traceback.print_exc()
+            failure.append(f"serving failed: {type(exc).__name__}: {exc}" +
+                           ("" if args.debug else " (run with --debug for the traceback)"))
+        else:
+            log.info("ready: the first token took %.2f s", seconds)
+            return
+        server.should_exit = True
+
+    loader = threading.Thread(target=load_and_probe, name="moe-runtime-loader", daemon=True)
+    loader.start()
+    interrupted = False
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for
+        interrupted = True
     finally:
-        engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
     if failure:
         print(f"error: {failure[0]}", file=sys.stderr)
-        return 1
-    return 0 if server.started else 1
+        code = EXIT_FAILED
+    elif interrupted:
+        log.info("interrupted: stopped")
+        code = EXIT_INTERRUPTED
+    else:
+        code = EXIT_OK if server.started else EXIT_FAILED
+    if loader.is_alive():
+        # stopped while the model loads: the loading thread cannot be interrupted, and letting
+        # the interpreter finalize under it can crash; leave at once
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

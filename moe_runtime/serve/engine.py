@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import queue
+import random
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from moe_runtime.serve.sampling import (
     PerRequestSampler,
     SamplerProcessorList,
     SamplingParams,
+    TokenLogprob,
 )
 
 log = logging.getLogger("moe_runtime.serve")
@@ -65,6 +67,15 @@ class Delta:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     first_token_s: float | None = None  # seconds from submission to the first token, once known
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
+
+
+def context_length_of(loaded: LoadedModel, max_model_len: int | None = None) -> int:
+    """Prompt + completion tokens a request may hold: the model's context, capped by
+    ``max_model_len``."""
+    model_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
+        loaded.tokenizer, "model_max_length", None) or 2048
+    return int(min(model_len, max_model_len) if max_model_len else model_len)
 
 
 class Engine:
@@ -77,20 +88,37 @@ class Engine:
         :func:`~moe_runtime.serve.batching.choose_batching`), ``"continuous"`` or ``"dynamic"``;
         a model no path can hold raises :class:`~moe_runtime.serve.batching.BatchingError`.
     :param debug: log the traceback of a failed probe (else the probe's message is all).
+    :param kv_cache_tokens: tokens the KV cache holds in all (default: ``max_batch_size``
+        sequences of the full context); the paged cache gets that many tokens of blocks, the
+        dynamic cache admits a request only while the running ones' prompts and ``max_tokens``
+        fit.
+    :param seed: seeds the draws of requests that send no seed of their own, so a server
+        started with the same seed answers the same unseeded requests alike (default: fresh
+        randomness for each).
     """
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 8,
                  max_model_len: int | None = None, block_size: int = 32,
-                 batching: str = "auto", debug: bool = False) -> None:
+                 batching: str = "auto", debug: bool = False,
+                 kv_cache_tokens: int | None = None, seed: int | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         config = loaded.model.config
-        model_len = getattr(config, "max_position_embeddings", None) or getattr(
-            self.tokenizer, "model_max_length", None) or 2048
-        self.context_length = int(min(model_len, max_model_len) if max_model_len else model_len)
+        self.context_length = context_length_of(loaded, max_model_len)
         self.max_batch_size = max_batch_size
+        self.kv_cache_tokens = int(kv_cache_tokens or max_batch_size * self.context_length)
+        if self.kv_cache_tokens < self.context_length:
+            raise ValueError(f"a KV cache of {self.kv_cache_tokens} tokens cannot hold one "
+                             f"sequence of the context, {self.context_length} tokens")
+        self._seeds = random.Random(seed) if seed is not None else None
+        # requests submitted and not finished: tokens each holds in the cache (prompt +
+        # generated), and whether it has had its first token (running) or not (waiting)
+        self._held: dict[str, int] = {}
+        self._started: set[str] = set()
+        # called with (seconds since the request's previous tokens, number of new tokens)
+        self.on_tokens = None
         self.block_size = block_size
         self.eos_token_ids = self._eos_ids()
         self.sampler = PerRequestSampler()
@@ -122,7 +150,8 @@ class Engine:
 
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,
-                               max_batch_size=self.max_batch_size, pad_token_id=self._pad_id())
+                               max_batch_size=self.max_batch_size, pad_token_id=self._pad_id(),
+                               max_cache_tokens=self.kv_cache_tokens)
         batcher.start()
         return batcher
 
@@ -137,7 +166,7 @@ class Engine:
         blocks_per_seq = math.ceil(self.context_length / self.block_size)
         cb = ContinuousBatchingConfig(
             block_size=self.block_size,
-            num_blocks=blocks_per_seq * self.max_batch_size,
+            num_blocks=max(blocks_per_seq, math.ceil(self.kv_cache_tokens / self.block_size)),
             max_batch_tokens=max(256, min(2048, self.context_length)),
             max_requests_per_batch=self.max_batch_size,
             allow_block_sharing=False,
@@ -216,16 +245,46 @@ class Engine:
         m = self._manager
         return m is not None and m.is_running() and _fatal_error(m) is None
 
+    # ------------------------------------------------------------------------------ load
+
+    @property
+    def num_running(self) -> int:
+        """Requests that have had a first token and are not finished."""
+        return len(self._started)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted that have had no token yet (queued or in prefill)."""
+        return len(self._held) - len(self._started)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache's tokens that the unfinished requests hold (0 to 1)."""
+        if self.batching.path == CONTINUOUS:  # whole blocks
+            used = sum(math.ceil(n / self.block_size) * self.block_size
+                       for n in list(self._held.values()))
+        else:
+            used = sum(list(self._held.values()))
+        return min(1.0, used / self.kv_cache_tokens)
+
     # ------------------------------------------------------------------------------ prompts
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of ``messages`` through the chat template; ``template_kwargs`` are the
+        template's own variables (``enable_thinking``...). A template error is a ValueError."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions, "
+                             "or start the server with --chat-template")
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                                     return_dict=False, **kwargs)
+        except Exception as exc:  # jinja2's TemplateError and its kin
+            raise ValueError(f"the chat template failed on these messages: "
+                             f"{type(exc).__name__}: {exc}") from None
         return list(ids)
 
     # ------------------------------------------------------------------------------ generation
@@ -244,12 +303,18 @@ class Engine:
             raise EngineUnavailable(f"the generation engine is not running ({reason})")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
+        if sampling.seed is None and self._seeds is not None and not _probe:
+            sampling = attrs.evolve(sampling, seed=self._seeds.getrandbits(63))
         slot = self.sampler.open(sampling)
         kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
         detok = IncrementalDetokenizer(self.tokenizer, tuple(stop))
-        submitted = time.perf_counter()
+        submitted = last_at = time.perf_counter()
         first_token_s = None
         finished = False
+        seen = 0
+        track = not _probe
+        if track:
+            self._held[request_id] = len(prompt_ids)
         manager.register_result_handler(request_id, outputs.put_nowait)
         try:
             added = manager.add_request(list(prompt_ids), request_id=request_id,
@@ -262,22 +327,33 @@ class Engine:
                 if out.error is not None:
                     raise EngineError(out.error)
                 tokens = tuple(out.generated_tokens)
+                now = time.perf_counter()
                 if first_token_s is None and tokens:
-                    first_token_s = time.perf_counter() - submitted
+                    first_token_s = now - submitted
+                if track and len(tokens) > seen:
+                    if seen and self.on_tokens is not None:
+                        self.on_tokens(now - last_at, len(tokens) - seen)
+                    seen, last_at = len(tokens), now
+                    self._started.add(request_id)
+                    self._held[request_id] = len(prompt_ids) + len(tokens)
+                logprobs = (tuple(self.sampler.records(slot)[:len(tokens)])
+                            if sampling.logprobs is not None else ())
                 text = detok.step(list(tokens))
                 if detok.stopped:
                     finished = out.is_finished()
-                    yield Delta(text, tokens, "stop", first_token_s)
+                    yield Delta(text, tokens, "stop", first_token_s, logprobs)
                     return
                 if out.is_finished():
                     finished = True
                     text += detok.finish()
                     reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
-                    yield Delta(text, tokens, reason, first_token_s)
+                    yield Delta(text, tokens, reason, first_token_s, logprobs)
                     return
                 if text:
-                    yield Delta(text, tokens, None, first_token_s)
+                    yield Delta(text, tokens, None, first_token_s, logprobs)
         finally:
+            self._held.pop(request_id, None)
+            self._started.discard(request_id)
             self.sampler.close(slot)
             if not finished:
                 manager.cancel_request(request_id)

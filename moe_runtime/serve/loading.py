@@ -13,7 +13,14 @@ from typing import Any
 import attrs
 
 _DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
-           "fp16": "float16", "half": "float16", "float32": "float32", "fp32": "float32"}
+           "fp16": "float16", "half": "float16", "float32": "float32", "fp32": "float32",
+           "float": "float32"}
+# generation_config.json fields used as sampling defaults (as vLLM reads them), and their names
+# in a request
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                     "max_new_tokens": "max_tokens"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer_config.json")
 
 
 class LoadError(RuntimeError):
@@ -29,12 +36,16 @@ class LoadedModel:
     :param plan: JSON-ready dict: ``layers`` (one entry per MoE layer with ``layer``, ``format``,
         ``communication`` and ``experts``), ``rejections``, and what else the loader reports.
     :param name: the model id served on ``/v1/models`` (``--served-model-name`` overrides it).
+    :param generation_defaults: sampling defaults from the model's ``generation_config.json``,
+        by request field name (``temperature``, ``top_p``, ``top_k``, ``max_tokens``): only
+        those the file sets.
     """
 
     model: Any
     tokenizer: Any
     plan: dict
     name: str
+    generation_defaults: dict = attrs.field(factory=dict)
 
 
 def load_for_serving(
@@ -46,6 +57,9 @@ def load_for_serving(
     progress: bool = True,
     dtype: str | None = None,
     transformers_experts: bool = False,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
+    generation_config: str | Path | None = "auto",
 ) -> LoadedModel:
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -54,7 +68,11 @@ def load_for_serving(
     planner's reasons) before any weight is read. Quantized non-MoE linears are dequantized to the
     model dtype at load. ``transformers_experts=True`` instead runs transformers' own experts on
     dequantized weights (the baseline of benchmarks; no plan). ``dtype`` overrides the
-    checkpoint's dtype (``None`` or ``"auto"``: the one in config.json).
+    checkpoint's dtype (``None`` or ``"auto"``: the one in config.json). ``tokenizer`` is a folder
+    to take the tokenizer from (default: ``model_dir``), ``chat_template`` a Jinja template that
+    replaces the tokenizer's; a tokenizer that turns text into no tokens is refused before any
+    weight is read. ``generation_config``: ``"auto"`` (the model folder's
+    generation_config.json), a folder holding one, or ``None`` (no sampling defaults).
     """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -83,10 +101,10 @@ def load_for_serving(
         from moe_runtime.integration.transformers import load_model
 
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as exc:  # transformers raises several types for a missing tokenizer
-            raise LoadError(f"{path} has no loadable tokenizer: {exc}") from exc
+        tok_dir = Path(tokenizer) if tokenizer is not None else path
+        tokenizer = _load_tokenizer(AutoTokenizer, tok_dir, given=tokenizer is not None)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         torch_dtype = _resolve_dtype(dtype, config)
         bar = (lambda total, desc: tqdm(total=total, desc=f"Loading {path.name}", unit="tensor",
                                         disable=not progress))
@@ -97,6 +115,10 @@ def load_for_serving(
     model = loaded.model
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
+    defaults = {}
+    if generation_config is not None:
+        defaults = generation_defaults(path if generation_config == "auto"
+                                       else Path(generation_config))
     if transformers_experts:
         data = loaded.plan_json()
         plan = _transformers_plan(path, model, data["checkpoint"].get("quant_algo"),
@@ -105,7 +127,46 @@ def load_for_serving(
     else:
         plan = {"loader": "moe-runtime", "dtype": str(model.dtype).replace("torch.", ""),
                 "device": device, **loaded.plan_json()}
-    return LoadedModel(model=model, tokenizer=tokenizer, plan=plan, name=path.name)
+    return LoadedModel(model=model, tokenizer=tokenizer, plan=plan, name=path.name,
+                       generation_defaults=defaults)
+
+
+def _load_tokenizer(auto, folder: Path, *, given: bool):
+    """The tokenizer of ``folder``; one that is missing, or encodes text to nothing, is refused."""
+    how = ("pass --tokenizer with a folder (or cached hub id) that has them" if not given else
+           "give --tokenizer a folder that holds tokenizer files")
+    present = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    if not present:
+        raise LoadError(f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), "
+                        f"so no prompt could be encoded: {how}")
+    try:
+        tokenizer = auto.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # transformers raises several types for a missing tokenizer
+        raise LoadError(f"{folder} has no loadable tokenizer: {exc}") from exc
+    if not tokenizer("Hello, world", add_special_tokens=False)["input_ids"]:
+        raise LoadError(f"the tokenizer of {folder} ({type(tokenizer).__name__}, from "
+                        f"{', '.join(present)}) encodes text to no tokens, so every prompt would "
+                        f"be empty: {how}")
+    return tokenizer
+
+
+def generation_defaults(folder: Path) -> dict:
+    """Sampling defaults set by ``folder/generation_config.json`` (request field names)."""
+    import json
+
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
+    out = {}
+    for key, field in SAMPLING_DEFAULTS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[field] = int(value) if key in ("top_k", "max_new_tokens") else float(value)
+    return out
 
 
 def _require_served_architecture(path: Path) -> None:

@@ -1,4 +1,9 @@
-"""Prometheus metrics of one server, in a registry of its own (two apps in a process never mix)."""
+"""Prometheus metrics of one server, in a registry of its own (two apps in a process never mix).
+
+Two families: ``moe_runtime_*`` (HTTP routes, the served model and each MoE layer's backends) and
+the series a vLLM dashboard reads, under vLLM's names and with its ``model_name`` label
+(``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``...; docs/serve.md lists them).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from prometheus_client import (
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                      0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
@@ -22,8 +29,9 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, *, model_name: str, plan: dict) -> None:
+    def __init__(self, *, model_name: str) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         self.requests = Counter("moe_runtime_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         self.in_progress = Gauge("moe_runtime_requests_in_progress",
@@ -51,23 +59,100 @@ class ServerMetrics:
                                          registry=r)
         self.finished = Counter("moe_runtime_request_finish", "finished generations by reason",
                                 ["reason"], registry=r)
+        self._model_info = Info("moe_runtime_model", "the served model", registry=r)
+        self._model_info.info({"model": model_name, "loader": "", "dtype": "", "device": ""})
+        self._layer_info = Info("moe_runtime_moe_layer", "the plan's backends for each MoE layer",
+                                ["layer"], registry=r)
+        self._vllm_series(r)
 
-        model = Info("moe_runtime_model", "the served model", registry=r)
-        model.info({
-            "model": model_name,
+    def _vllm_series(self, r: CollectorRegistry) -> None:
+        m = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running",
+                             "requests that have had their first token and are not finished", m,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting",
+                             "requests submitted that have had no token yet", m, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                              "fraction of the KV cache held by unfinished requests (0 to 1)", m,
+                              registry=r)
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.labels(model_name=self.model_name).set(0)
+        self.v_prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens processed", m,
+                                       registry=r)
+        self.v_generation_tokens = Counter("vllm:generation_tokens", "tokens generated", m,
+                                           registry=r)
+        self.v_success = Counter("vllm:request_success", "finished requests by reason",
+                                 [*m, "finished_reason"], registry=r)
+        self.v_ttft = Histogram("vllm:time_to_first_token_seconds",
+                                "time from submission to the first token", m,
+                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_itl = Histogram("vllm:inter_token_latency_seconds",
+                               "time between a request's successive tokens", m,
+                               buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.v_tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                                "a request's decode time per token after the first", m,
+                                buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.v_e2e = Histogram("vllm:e2e_request_latency_seconds",
+                               "time from submission to the last token", m,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_prompt_len = Histogram("vllm:request_prompt_tokens", "prompt tokens per request",
+                                      m, buckets=_TOKEN_BUCKETS, registry=r)
+        self.v_generation_len = Histogram("vllm:request_generation_tokens",
+                                          "generated tokens per request", m,
+                                          buckets=_TOKEN_BUCKETS, registry=r)
+
+    def describe_engine(self, engine) -> None:
+        """Read the engine's plan and live counts (called once the model is loaded)."""
+        plan = engine.loaded.plan
+        self._model_info.info({
+            "model": self.model_name,
             "loader": str(plan.get("loader", "")),
             "dtype": str(plan.get("dtype", "")),
             "device": str(plan.get("device", plan.get("environment", {}).get("device", ""))),
         })
-        layer = Info("moe_runtime_moe_layer", "the plan's backends for each MoE layer",
-                     ["layer"], registry=r)
         for lp in plan.get("layers", []):
-            layer.labels(layer=str(lp.get("layer"))).info({
+            self._layer_info.labels(layer=str(lp.get("layer"))).info({
                 "format": str(lp.get("format", "")),
                 "experts_backend": str(lp.get("experts", "")),
                 "communication_backend": str(lp.get("communication", "")),
                 "runs_as": str(lp.get("runs_as", "")),
             })
+        label = {"model_name": self.model_name}
+        self.running.labels(**label).set_function(lambda: engine.num_running)
+        self.waiting.labels(**label).set_function(lambda: engine.num_waiting)
+        self.kv_usage.labels(**label).set_function(lambda: engine.kv_cache_usage)
+
+    def finished_http(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.request_latency.labels(route=route).observe(seconds)
+
+    def finished_request(self, *, route: str, prompt_tokens: int, completion_tokens: int,
+                         reason: str, first_token_s: float | None, seconds: float) -> None:
+        """One generated choice ended (its prompt, tokens, reason and timings)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.prompt_length.observe(prompt_tokens)
+        self.generation_length.observe(completion_tokens)
+        self.finished.labels(reason=reason).inc()
+        label = {"model_name": self.model_name}
+        self.v_prompt_tokens.labels(**label).inc(prompt_tokens)
+        self.v_generation_tokens.labels(**label).inc(completion_tokens)
+        self.v_prompt_len.labels(**label).observe(prompt_tokens)
+        self.v_generation_len.labels(**label).observe(completion_tokens)
+        self.v_success.labels(**label, finished_reason=reason).inc()
+        self.v_e2e.labels(**label).observe(seconds)
+        if first_token_s is not None:
+            self.first_token_latency.labels(route=route).observe(first_token_s)
+            self.v_ttft.labels(**label).observe(first_token_s)
+            if completion_tokens > 1:
+                self.v_tpot.labels(**label).observe(
+                    max(0.0, seconds - first_token_s) / (completion_tokens - 1))
+
+    def observe_inter_token(self, seconds: float, tokens: int) -> None:
+        """``tokens`` new tokens of one request, ``seconds`` after its previous ones."""
+        child = self.v_itl.labels(model_name=self.model_name)
+        for _ in range(min(tokens, 64)):
+            child.observe(seconds / tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

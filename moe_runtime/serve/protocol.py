@@ -14,6 +14,13 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_SEQUENCES = 4
+MAX_N = 16  # choices per request (each is one more sequence in the batch)
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound; vLLM's default too)
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
+                                      "return_tensors", "padding", "truncation", "max_length",
+                                      "chat_template", "tools", "documents"})
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (messages -> content parts -> fields)
 
 
@@ -82,7 +89,7 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
@@ -93,7 +100,7 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -119,11 +126,6 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what this server accepts in the schema but does not implement."""
-        if self.n != 1:
-            raise invalid("only n=1 is supported; send several requests instead", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise invalid(f"{name} is not supported (only 0)", name)
         if self.logit_bias:
             raise invalid("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -133,32 +135,32 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise invalid("echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise invalid("logprobs is not supported", "logprobs")
-        if self.best_of not in (None, 1):
-            raise invalid("best_of is not supported", "best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise invalid("best_of is not supported (only best_of equal to n)", "best_of")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a string or token ids)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, each a string or token ids (a list of them: a batch)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise invalid("one prompt per request is supported; send several requests "
-                              "(they are batched together)", "prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise invalid("the prompt is empty", "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise invalid(f"at most {MAX_PROMPTS} prompts per request are accepted, got "
+                          f"{len(batch)}", "prompt")
+        for one in batch:
+            if len(one) == 0:
+                raise invalid("the prompt is empty", "prompt")
+        return batch
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -187,6 +189,9 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # an extension (vLLM's)
+    # OpenAI's field is top_logprobs; the completions field of the same meaning is logprobs
+    top_logprobs_: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, alias="top_logprobs")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -194,12 +199,25 @@ class ChatCompletionRequest(_Request):
             raise invalid("messages must not be empty", "messages")
         if self.tools:
             raise invalid("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise invalid("only response_format type 'text' is supported", "response_format")
-        if self.logprobs:
-            raise invalid("logprobs is not supported", "logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise invalid(f"response_format type {kind!r} is not supported: this server has no "
+                          "constrained decoding, so it cannot promise JSON output; accepted: "
+                          "'text' (ask for JSON in the messages instead)", "response_format",
+                          "unsupported_response_format")
+        if self.top_logprobs_ is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        for key in sorted(self.chat_template_kwargs or {}):
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise invalid(f"chat_template_kwargs may not set {key!r}: it is an argument of "
+                              "the template call itself", "chat_template_kwargs")
         if all(not m.text() for m in self.messages):
             raise invalid("the messages have no content", "messages")
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token to return; None: no logprobs at all."""
+        return (self.top_logprobs_ or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -6,7 +6,9 @@ generation config: a request's seed cannot make its tokens reproducible while ot
 the batch. It does take per-request logits processors. :class:`PerRequestSampler` is one: the
 manager runs greedy (argmax), and for every sampled request this processor applies the request's
 temperature, top-k and top-p and draws the token from the request's own ``torch.Generator``,
-leaving that token as the row's only finite logit. Greedy requests pass through untouched. A
+leaving that token as the row's only finite logit. It also applies presence and frequency
+penalties and records log-probabilities where a request asks. Plain greedy requests pass through
+untouched. A
 request's tokens then depend on its own logits and seed only, whichever requests share its batch.
 """
 
@@ -33,25 +35,84 @@ GREEDY = -1
 
 @attrs.frozen
 class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` is greedy."""
+    """How one request picks its tokens. ``temperature == 0`` is greedy.
+
+    :param logprobs: record each chosen token's log-probability and this many likeliest
+        alternatives (``None``: record nothing). Log-probabilities are the model's own
+        (``log_softmax`` of the raw logits, before penalties, temperature and filters).
+    :param presence_penalty: subtracted once from the logit of every token already generated.
+    :param frequency_penalty: subtracted from a token's logit once per time it was generated.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def needs_slot(self) -> bool:
+        """Whether the sampler must see this request's rows (not a plain greedy one)."""
+        return not self.greedy or self.logprobs is not None or bool(
+            self.presence_penalty or self.frequency_penalty)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One generated token's log-probability and the likeliest alternatives at its step."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 class _Slot:
-    __slots__ = ("params", "generator")
+    __slots__ = ("params", "generator", "counts", "records")
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
+        self.counts: dict[int, int] = {}
+        self.records: list[TokenLogprob] = []
+
+    def penalize(self, row: torch.Tensor) -> None:
+        """Presence and frequency penalties, in place, over the tokens generated so far."""
+        p = self.params
+        if not self.counts or not (p.presence_penalty or p.frequency_penalty):
+            return
+        ids = torch.tensor(list(self.counts), device=row.device)
+        counts = torch.tensor(list(self.counts.values()), dtype=row.dtype, device=row.device)
+        row.index_put_((ids,), -(p.frequency_penalty * counts + p.presence_penalty),
+                       accumulate=True)
+
+    def choose(self, row: torch.Tensor) -> tuple[int, bool]:
+        """The row's token, and whether the row must be rewritten to make the batch take it."""
+        p = self.params
+        raw = row
+        if p.logprobs is not None:
+            logp = torch.log_softmax(raw.float(), dim=-1)
+        if p.presence_penalty or p.frequency_penalty:
+            row = row.clone().float()
+            self.penalize(row)
+        if p.greedy:
+            token, forced = int(row.argmax()), row is not raw
+        else:
+            token, forced = self.sample(row), True
+        if p.logprobs is not None:
+            top = ()
+            if p.logprobs > 0:
+                values, ids = torch.topk(logp, min(p.logprobs, logp.numel()))
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            self.records.append(TokenLogprob(token, float(logp[token]), top))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token, forced
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -84,7 +145,7 @@ class PerRequestSampler(ContinuousBatchingLogitsProcessor):
 
     def open(self, params: SamplingParams) -> int:
         """Register a request's sampling; returns the slot to pass as ``SLOT_KWARG`` (or GREEDY)."""
-        if params.greedy:
+        if not params.needs_slot:
             return GREEDY
         slot = _Slot(params)
         with self._lock:
@@ -92,6 +153,12 @@ class PerRequestSampler(ContinuousBatchingLogitsProcessor):
             self._next = (self._next + 1) % (2**31 - 1)
             self._slots[key] = slot
         return key
+
+    def records(self, key: int) -> list[TokenLogprob]:
+        """The log-probabilities recorded so far for a request (empty: none asked for)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            return list(slot.records) if slot is not None else []
 
     def close(self, key: int) -> None:
         if key != GREEDY:
@@ -124,13 +191,14 @@ class PerRequestSampler(ContinuousBatchingLogitsProcessor):
             if slot is None:
                 continue
             try:
-                token = slot.sample(scores[i])
+                token, forced = slot.choose(scores[i])
             except RuntimeError:
                 # e.g. non-finite logits; an exception here would stop the whole batching thread
                 log.exception("sampling failed; this step of the request is greedy")
                 continue
-            scores[i].fill_(float("-inf"))
-            scores[i, token] = 0.0
+            if forced:
+                scores[i].fill_(float("-inf"))
+                scores[i, token] = 0.0
         return scores
 
 

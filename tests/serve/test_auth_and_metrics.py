@@ -1,4 +1,4 @@
-"""``--api-key`` on every route but /health, and the Prometheus metrics."""
+"""``--api-key`` on every route but /health and /metrics, and the Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 @pytest.mark.parametrize("method, path", [
-    ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/moe/plan"),
+    ("GET", "/v1/models"), ("GET", "/v1/moe/plan"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/no/such/route"),
 ])
-def test_every_route_but_health_needs_the_key(server, api_key, method, path):
+def test_every_route_but_health_and_metrics_needs_the_key(server, api_key, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": api_key}):
         r = httpx.request(method, server.root + path, headers=headers, json={})
         assert r.status_code == 401, (path, headers)
         assert r.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_health_needs_no_key(server):
+def test_health_and_metrics_need_no_key(server):
+    # as vLLM guards only /v1: a Prometheus scraper holds no API key
     assert httpx.get(server.root + "/health").status_code == 200
+    assert httpx.get(server.root + "/metrics").status_code == 200
 
 
 def test_the_openai_client_with_a_wrong_key_is_refused(server):

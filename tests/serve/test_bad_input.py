@@ -139,8 +139,8 @@ def test_unknown_routes_and_methods_get_error_bodies(http):
 
 
 def test_unsupported_options_are_refused_not_ignored(http, server):
-    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "n": 2}
-    assert_error(http.post("/v1/completions", json=body), 400, param="n")
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1.0}}
+    assert_error(http.post("/v1/completions", json=body), 400, param="logit_bias")
 
 
 def test_the_server_keeps_serving_after_bad_requests(client, http, server):

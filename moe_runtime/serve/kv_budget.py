@@ -1,0 +1,101 @@
+"""How many tokens the server's KV cache holds, from the options and the model's config.
+
+One of three, in this order:
+
+1. ``--kv-cache-tokens N``: N tokens;
+2. ``--gpu-memory-utilization F``: the fraction F of the device's memory (a CUDA device's total
+   memory; on the CPU, the machine's physical memory) that this server may hold in all, weights
+   included: the cache gets ``F * total`` minus what the process holds once the model is loaded,
+   divided by the bytes one token costs (every full-attention layer's keys and values at the
+   model's dtype);
+3. neither: room for ``--max-num-seqs`` sequences of the full context (``--max-model-len``).
+
+A budget that cannot hold one sequence of the full context is refused at start, naming both.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import attrs
+
+
+class BudgetError(ValueError):
+    """The KV cache cannot hold what the options ask; the message says which option to change."""
+
+
+@attrs.frozen
+class KVBudget:
+    """The cache's size in tokens, what one token costs, and a sentence saying where it came from."""
+
+    tokens: int
+    bytes_per_token: int
+    source: str
+
+    def describe(self) -> str:
+        gib = self.tokens * self.bytes_per_token / 2**30
+        return f"{self.tokens} tokens ({gib:.3g} GiB, {self.bytes_per_token} bytes/token): {self.source}"
+
+
+def bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes of keys and values that one token writes into every attention layer's cache."""
+    from moe_runtime.checkpoint.architectures import architecture_of
+
+    data = config.to_dict()
+    arch = architecture_of(data, "config.json")
+    cache = arch.attention_cache(data, "config.json")
+    fields = data.get("text_config") or data if arch.text_config else data
+    layers = int(fields.get("num_hidden_layers") or 1)
+    per_layer = cache.kv_heads * (cache.key_head_size + cache.value_head_size) * dtype_bytes
+    return max(1, layers * per_layer)
+
+
+def _memory(device: str) -> tuple[int, int]:
+    """(total bytes of the device, bytes this process holds on it now)."""
+    import torch
+
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        _, total = torch.cuda.mem_get_info(index)
+        return total, torch.cuda.memory_reserved(index)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total, rss
+
+
+def kv_budget(*, config, dtype_bytes: int, device: str, context_length: int, max_num_seqs: int,
+              kv_cache_tokens: int | None = None,
+              gpu_memory_utilization: float | None = None) -> KVBudget:
+    """The KV budget for the options (see the module's order); raises :class:`BudgetError`."""
+    per_token = bytes_per_token(config, dtype_bytes)
+    if kv_cache_tokens is not None:
+        budget = KVBudget(kv_cache_tokens, per_token, "--kv-cache-tokens")
+    elif gpu_memory_utilization is not None:
+        total, held = _memory(device)
+        room = int(gpu_memory_utilization * total) - held
+        where = "the CUDA device's" if device.startswith("cuda") else "this machine's physical"
+        source = (f"--gpu-memory-utilization {gpu_memory_utilization} of {where} memory "
+                  f"({total / 2**30:.3g} GiB), less the {held / 2**30:.3g} GiB the loaded model "
+                  "and process hold")
+        if room < per_token * context_length:
+            raise BudgetError(
+                f"--gpu-memory-utilization {gpu_memory_utilization} leaves "
+                f"{max(room, 0) / 2**30:.3g} GiB for the KV cache ({where} memory is "
+                f"{total / 2**30:.3g} GiB, {held / 2**30:.3g} GiB already held), fewer than the "
+                f"{per_token * context_length / 2**30:.3g} GiB one sequence of {context_length} "
+                "tokens needs: raise --gpu-memory-utilization or lower --max-model-len")
+        budget = KVBudget(room // per_token, per_token, source)
+    else:
+        budget = KVBudget(max_num_seqs * context_length, per_token,
+                          f"--max-num-seqs {max_num_seqs} sequences of {context_length} tokens")
+    if budget.tokens < context_length:
+        raise BudgetError(f"the KV cache of {budget.tokens} tokens ({budget.source}) cannot hold "
+                          f"one sequence of the full context, {context_length} tokens: raise "
+                          "--kv-cache-tokens or lower --max-model-len")
+    return budget
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
