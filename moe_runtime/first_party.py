@@ -54,6 +54,14 @@ FIRST_PARTY: tuple[FirstPartyPlugin, ...] = (
         extra="its kernels need the [kernels] extra: pip install './plugins/flashinfer_cutedsl[kernels]'",
     ),
     FirstPartyPlugin(
+        distribution="moe-runtime-humming",
+        path="plugins/humming",
+        role="experts",
+        backends=("humming",),
+        summary="Humming's NVFP4 W4A16 grouped GEMMs (CUDA compute capability 9.0)",
+        extra="its kernels need the [kernels] extra: pip install './plugins/humming[kernels]'",
+    ),
+    FirstPartyPlugin(
         distribution="moe-runtime-deepep",
         path="plugins/deepep",
         role="communication",

@@ -207,6 +207,11 @@ def _target_for(s: Support) -> str:
     return "cuda:9.0"
 
 
+def _admitted_sizes(step: int) -> tuple[int, int]:
+    """(hidden, intermediate) of a refusal case: 128 and 64 rounded up to the sizes' multiple."""
+    return _up(128, step), _up(64, step)
+
+
 def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalCase]:
     """Undeclared combinations and the reason the planner must give for each.
 
@@ -224,17 +229,20 @@ def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalC
     acts = {a for t in spec.supports for a in t.activations}
     for s in spec.supports:
         target = _target_for(s)
+        # sizes the block admits, so that only the probed property can be the reason
+        h, i = _admitted_sizes(size_multiple(s, registry.formats[sorted(s.formats)[0]].spec))
         for fmt in sorted(set(registry.formats) - declared):
             out.append(RefusalCase(spec.name, fmt, sorted(s.activations)[0],
-                                   "unsupported_format", target))
+                                   "unsupported_format", target, h, i))
         for act in sorted(F.ACTIVATIONS - acts):
             out.append(RefusalCase(spec.name, sorted(s.formats)[0], act,
-                                   "unsupported_activation", target))
+                                   "unsupported_activation", target, h, i))
     for fmt in sorted(declared):
         blocks = [t for t in spec.supports if fmt in t.formats]
         act = sorted(blocks[0].activations)[0]
         storage = registry.formats[fmt].spec.stored_as.size_multiple
         steps = [size_multiple(t, registry.formats[fmt].spec) for t in blocks]
+        ah, ai = _admitted_sizes(min(steps))
         if min(steps) > storage:  # every block asks for more than the storage does
             h = i = min(steps) + storage
             env = _target_for(blocks[0])
@@ -242,14 +250,14 @@ def refusal_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[RefusalC
                 out.append(RefusalCase(spec.name, fmt, act, "unsupported_shape", env, h, i))
         devices = {d for t in blocks for d in t.hardware.devices}
         if "cpu" not in devices:
-            out.append(RefusalCase(spec.name, fmt, act, "unsupported_device", "cpu"))
+            out.append(RefusalCase(spec.name, fmt, act, "unsupported_device", "cpu", ah, ai))
         if "cuda" in devices and all(t.hardware.cuda_capabilities for t in blocks
                                      if "cuda" in t.hardware.devices):
             for probe in ("7.0", "8.0", "9.0", "10.0", "12.0"):
                 env = Environment.for_target(f"cuda:{probe}")
                 if not any(t.hardware.check(env) for t in blocks):
                     out.append(RefusalCase(spec.name, fmt, act, "compute_capability",
-                                           f"cuda:{probe}"))
+                                           f"cuda:{probe}", ah, ai))
     return list(dict.fromkeys(out))
 
 

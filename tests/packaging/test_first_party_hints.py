@@ -95,3 +95,13 @@ def test_plan_of_a_degraded_nvfp4_layer_lists_the_missing_flashinfer_plugin(
     assert "1 layer(s) run degraded" in out
     assert "pip install ./plugins/flashinfer_cutedsl" in out
     assert "pip install ./plugins/triton" not in out  # installed here
+
+
+def test_every_plugin_folder_of_the_checkout_has_an_entry():
+    from pathlib import Path
+
+    from moe_runtime.first_party import FIRST_PARTY
+
+    root = Path(__file__).resolve().parents[2]
+    folders = {f"plugins/{p.name}" for p in (root / "plugins").iterdir() if (p / "setup.cfg").exists()}
+    assert folders == {p.path for p in FIRST_PARTY}

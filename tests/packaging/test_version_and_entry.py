@@ -20,7 +20,13 @@ PLUGINS = {
     "plugins/triton": "moe_runtime_triton",
     "plugins/flashinfer_cutedsl": "moe_runtime_flashinfer_cutedsl",
     "plugins/deepep": "moe_runtime_deepep",
+    "plugins/humming": "moe_runtime_humming",
 }
+
+
+def test_every_plugin_folder_is_listed_here():
+    folders = {f"plugins/{p.name}" for p in (ROOT / "plugins").iterdir() if (p / "setup.cfg").exists()}
+    assert folders == set(PLUGINS)
 
 
 def _setup_cfg(folder: Path) -> configparser.ConfigParser:

@@ -1,0 +1,194 @@
+"""The experts backend class (imported only when the planner selects ``humming``).
+
+A forward is: routing (``route``, torch ops sized from shapes: no host sync, CUDA-graph
+capturable), Humming's indexed GEMM over ``w13`` (``top_k`` rows per token), its gated activation
+(``process_input``), the indexed GEMM over ``w2`` (one row per (token, k) pair), and the combine (a
+batched matmul with the routing weights). Humming fixes a tile config per range of row counts
+before its kernels are compiled; ``prepare`` plans and compiles them once for every power of two
+of (token, k) pairs, so no forward compiles.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from moe_runtime import formats as F
+from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime_humming.plugin import HUMMING_EXPERTS
+
+COMPUTE = json.dumps({"gemm_type": "indexed"})
+# Humming's process_input takes the gated activation as CUDA source over a (gate) and b (up)
+ACTIVATIONS = {
+    F.SILU: "a / (1.0f + __expf(-a)) * b",
+    F.GELU: "0.5f * a * (1.0f + erff(a * 0.70710678118654752f)) * b",
+}
+PLANNED_PAIRS = tuple(1 << i for i in range(18))  # 1 .. 131072 (token, k) pairs per forward
+
+
+def max_sorted_rows(pairs: int, experts: int, block_m: int) -> int:
+    """Rows of the padded sorted order: every pair, plus up to ``block_m - 1`` padding rows for each
+    expert that can be non-empty (at most ``min(pairs, experts)``), in whole blocks."""
+    rows = pairs + min(pairs, experts) * (block_m - 1)
+    return max(block_m, -(-rows // block_m) * block_m)
+
+
+def route(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """The indexed-GEMM order of ``topk_ids [N, K]`` (``-1`` or ids outside ``[0, experts)``: not
+    computed here).
+
+    Returns ``(sorted_ids, block_experts, padded_rows)``: ``sorted_ids [R]`` int32 holds the flat
+    pair index (``n * K + k``) of each row, rows grouped by expert in expert order, each expert's
+    group padded to a multiple of ``block_m`` with ``N * K``; ``block_experts [R / block_m]``
+    int32 the expert of each block (``-1`` past the used blocks); ``padded_rows`` a 0-dim int32
+    tensor, the rows in use. Only torch ops sized from shapes."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = flat.device
+    rows = max_sorted_rows(pairs, experts, block_m)
+    valid = (flat >= 0) & (flat < experts)
+    bucket = torch.where(valid, flat, torch.full_like(flat, experts))  # invalid pairs: bucket E
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:experts] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(bucket, stable=True).indices
+    sorted_bucket = bucket[order]
+    first_in_sorted = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=dev) - first_in_sorted[sorted_bucket]
+    kept = sorted_bucket < experts
+    dest = torch.where(kept, starts[sorted_bucket.clamp(max=experts - 1)] + rank,
+                       torch.full_like(rank, rows))  # invalid pairs go to a spare slot
+    sorted_ids = torch.full((rows + 1,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(rows // block_m, device=dev, dtype=torch.int64) * block_m
+    block_experts = torch.searchsorted(ends, block_start, right=True)
+    block_experts = torch.where(block_experts < experts, block_experts,
+                                torch.full_like(block_experts, -1)).to(torch.int32)
+    padded_rows = ends[-1].to(torch.int32) if experts else torch.zeros((), dtype=torch.int32,
+                                                                        device=dev)
+    return sorted_ids[:rows], block_experts, padded_rows
+
+
+class _Projection:
+    """One projection of all local experts as a Humming indexed-GEMM layer, a tile config per
+    range of row counts."""
+
+    def __init__(self, weight, scale, scale_2, dtype):
+        from humming.layer import HummingLayer
+
+        experts, n, k_half = weight.shape
+        with torch.device(weight.device):
+            layer = HummingLayer(shape_n=n, shape_k=k_half * 2,
+                                 weight_config={"quant_method": "modelopt", "quant_algo": "NVFP4"},
+                                 num_experts=experts, torch_dtype=dtype)
+        layer.load_from_tensors({"weight": weight.contiguous(),
+                                 "weight_scale": scale.contiguous(),
+                                 "weight_scale_2": scale_2.float().reshape(experts).contiguous()})
+        layer.transform()
+        self.layer = layer
+        self.intervals: list[list] = []
+        self.tuning = ""
+
+    def plan_and_compile(self, row_counts) -> None:
+        from humming.kernel.humming import HummingKernel
+        from humming.tune import get_heuristics_config
+
+        dev = self.layer.locks.device
+        lo = 0
+        ms = sorted(set(int(m) for m in row_counts))
+        for i, m in enumerate(ms):
+            cfg = dict(get_heuristics_config(self.layer.humming_config, shape_m=m,
+                                             gemm_type="indexed", device=dev))
+            hi = (1 << 40) if i == len(ms) - 1 else m
+            if self.intervals and self.intervals[-1][2] == cfg:
+                self.intervals[-1][1] = hi
+            else:
+                self.intervals.append([lo, hi, cfg])
+            lo = hi
+        self.tuning = json.dumps(self.intervals)
+        HummingKernel.prepare_kernels(self.layer.humming_config.to_str(), COMPUTE, self.tuning,
+                                      device=dev)
+
+    def block_m(self, rows: int) -> int:
+        for lo, hi, cfg in self.intervals:
+            if lo < rows <= hi:
+                return int(cfg["block_shape"][0])
+        return int(self.intervals[0][2]["block_shape"][0])  # rows == 0
+
+    def __call__(self, inputs, routed, top_k, outputs=None):
+        sorted_ids, block_experts, padded_rows = routed
+        return self.layer(inputs, outputs=outputs, sorted_ids=sorted_ids, expert_ids=block_experts,
+                          num_tokens_padded=padded_rows, top_k=top_k, compute_config=COMPUTE,
+                          tuning_config=self.tuning)
+
+
+class HummingExperts(ExpertsBackend):
+    """NVFP4 experts through Humming, token-major layout (see the module docstring)."""
+
+    def __init__(self, *, setup) -> None:
+        super().__init__(setup=setup)
+        # pinning and hand-built setups bypass the planner: the same matching rule, again
+        verdict = HUMMING_EXPERTS.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
+                                        payload=setup.payload)
+        if not verdict:
+            raise ValueError(
+                f"layer {setup.problem.name}: the humming backend cannot run format "
+                f"{setup.problem.format} as {setup.runs_as} (layout {setup.layout}, payload "
+                f"{setup.payload}): {verdict.describe()}")
+
+    def prepare(self, weights: ExpertWeights) -> None:
+        expected = self.setup.num_local_experts
+        if weights.num_experts != expected:
+            raise ValueError(
+                f"layer {self.setup.problem.name}: the humming backend got weights of "
+                f"{weights.num_experts} experts, expected the {expected} local experts")
+        missing = [n for n in ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
+                   if getattr(weights, n) is None]
+        if missing:
+            raise ValueError(f"layer {self.setup.problem.name}: NVFP4 weights without "
+                             f"{', '.join(missing)}")
+        self.dtype = getattr(torch, self.setup.problem.dtype)
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"layer {self.setup.problem.name}: the humming backend computes in "
+                             f"bfloat16 or float16, not {self.setup.problem.dtype}")
+        self.experts = weights.num_experts
+        self.hidden = weights.hidden_size
+        self.w13 = _Projection(weights.w13, weights.w13_scale, weights.w13_scale_2, self.dtype)
+        self.w2 = _Projection(weights.w2, weights.w2_scale, weights.w2_scale_2, self.dtype)
+        for proj in (self.w13, self.w2):
+            proj.plan_and_compile(PLANNED_PAIRS)
+        self.act = ACTIVATIONS[self.setup.problem.activation]
+
+    def forward(self, d: Dispatched) -> torch.Tensor:
+        if d.layout != F.TOKEN_MAJOR:
+            raise ValueError(f"the humming backend consumes token_major, got {d.layout!r}")
+        if d.payload != F.UNQUANTIZED:
+            raise ValueError(f"the humming backend does not accept payload {d.payload!r}")
+        from humming import ops as hops
+
+        hidden = d.hidden.to(self.dtype).contiguous()
+        ids = d.topk_ids if d.topk_ids.dim() == 2 else d.topk_ids.reshape(-1, 1)
+        n, k = ids.shape
+        pairs = n * k
+        out_dtype = d.out_dtype or d.hidden.dtype
+        if pairs == 0:
+            return torch.zeros(n, self.hidden, dtype=out_dtype, device=hidden.device)
+        ids = ids.to(torch.int32).contiguous()
+        bm1, bm2 = self.w13.block_m(pairs), self.w2.block_m(pairs)
+        r1 = route(ids, self.experts, bm1)
+        r2 = r1 if bm2 == bm1 else route(ids, self.experts, bm2)
+        gate_up = self.w13(hidden, r1, top_k=k)
+        inter, _, _ = hops.process_input(gate_up, activation_type="binary_split",
+                                         activation_impl=self.act)
+        # rows of pairs routed elsewhere (-1) are never written by the GEMM: start from zeros
+        down = torch.zeros(pairs, self.hidden, dtype=self.dtype, device=hidden.device)
+        down = self.w2(inter, r2, top_k=1, outputs=down)
+        weights = d.topk_weights.reshape(n, 1, k).to(self.dtype)
+        valid = ((ids >= 0) & (ids < self.experts)).reshape(n, 1, k)
+        weights = torch.where(valid, weights, torch.zeros((), dtype=self.dtype,
+                                                          device=weights.device))
+        out = torch.bmm(weights, down.view(n, k, self.hidden)).view(n, self.hidden)
+        return out.to(out_dtype)
