@@ -32,6 +32,46 @@ REFERENCE = ExpertsBackendSpec(
     description="Pure-torch numerical reference for every built-in format (CPU and CUDA).",
 )
 
+
+def _float32_copy(*fmts: str) -> str:
+    """What a float32 copy of the weights of ``fmts`` costs, from the formats' own records."""
+    stored = {f.name: f.bytes_per_weight for f in F.BUILTIN_FORMATS}[fmts[0]]
+    return (f"float32 GEMMs on a copy of the weights dequantized at load: 4 bytes per weight, "
+            f"{4 / stored:.1f}x the {'/'.join(fmts)} weights")
+
+
+CPU = Hardware(devices=("cpu",))
+CPU_DEQUANTIZED = ExpertsBackendSpec(
+    name="cpu_dequantized",
+    factory="moe_runtime.backends.cpu_dequantized:CpuDequantizedExperts",
+    supports=(
+        Support(
+            formats=(F.BF16, F.FP16), activations=(F.SILU, F.GELU),
+            layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU,
+            note=_float32_copy(F.BF16, F.FP16),
+        ),
+        Support(
+            formats=(F.NVFP4_W4A16,), activations=(F.SILU, F.GELU),
+            layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU,
+            note=_float32_copy(F.NVFP4_W4A16),
+        ),
+        Support(
+            formats=(F.FP8_W8A8,), activations=(F.SILU, F.GELU),
+            layouts=(F.TOKEN_MAJOR, F.MASKED), payloads=(F.UNQUANTIZED, F.FP8), hardware=CPU,
+            note="activations quantized to fp8 per tensor with the checkpoint's input scales "
+                 "(quantize-dequantize); " + _float32_copy(F.FP8_W8A8),
+        ),
+        Support(
+            formats=(F.NVFP4_W4A4,), activations=(F.SILU, F.GELU),
+            layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU, runs_as=F.NVFP4_W4A16,
+            note=_float32_copy(F.NVFP4_W4A4),
+        ),
+    ),
+    priority=3,
+    description="CPU experts on weights dequantized once at load to float32: a dense path for "
+                "small batches, torch._grouped_mm else.",
+)
+
 LOCAL = CommBackendSpec(
     name="local",
     factory="moe_runtime.backends.local:LocalComm",
@@ -71,5 +111,6 @@ def moe_runtime_register_formats(register):
 @hookimpl
 def moe_runtime_register_backends(register):
     register(REFERENCE)
+    register(CPU_DEQUANTIZED)
     register(LOCAL)
     register(TORCH_ALL_TO_ALL)

@@ -44,6 +44,13 @@ def registry_with(*specs) -> Registry:
         get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
 
 
+def builtin_choice(p, environment, deployment=Deployment()) -> str:
+    """The experts backend the built-in plugin alone plans for ``p``: where a test backend is
+    refused, the layer falls back to it."""
+    lp, _ = plan_layer(p, registry=registry_with(), environment=environment, deployment=deployment)
+    return lp.experts
+
+
 FAST_FP4 = ExpertsBackendSpec(
     name="fast_fp4", factory="m:C", priority=100,
     supports=[Support(formats=["nvfp4_w4a4"], layouts=["token_major", "masked"],
@@ -145,7 +152,7 @@ def test_missing_dependency_is_a_reason():
     reg = registry_with(spec)
     lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
                          deployment=Deployment())
-    assert lp.experts == "reference"
+    assert lp.experts == builtin_choice(layer("bf16"), CPU_ENV)
     (r,) = [r for r in rej if r.backend == "needs_lib"]
     assert r.reason is Reason.MISSING_DEPENDENCY and "surely_absent_lib" in r.message
 
@@ -218,7 +225,8 @@ def test_no_common_layout_falls_back_to_a_pair_that_matches():
     reg = registry_with(masked_only)
     lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
                        deployment=Deployment(ep_size=2))
-    assert lp.experts == "reference"  # torch_all_to_all is token-major only
+    # torch_all_to_all is token-major only
+    assert lp.experts == builtin_choice(layer("bf16"), CPU_ENV, Deployment(ep_size=2))
     lp, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV, deployment=Deployment())
     assert (lp.experts, lp.layout) == ("masked_only", "masked")
 
@@ -248,14 +256,14 @@ def test_shape_multiple_is_checked():
                               supports=[Support(formats=["bf16"], shape_multiple=128)])
     lp, rej = plan_layer(layer("bf16", hidden_size=192), registry=registry_with(spec),
                          environment=CPU_ENV, deployment=Deployment())
-    assert lp.experts == "reference"
+    assert lp.experts == builtin_choice(layer("bf16", hidden_size=192), CPU_ENV)
     assert [r.reason for r in rej if r.backend == "big_tiles"] == [Reason.UNSUPPORTED_SHAPE]
 
 
 def test_device_kind_is_checked():
     lp, rej = plan_layer(layer(), registry=registry_with(FAST_FP4), environment=CPU_ENV,
                          deployment=Deployment())
-    assert lp.experts == "reference"
+    assert lp.experts == builtin_choice(layer(), CPU_ENV)
     assert [r.reason for r in rej if r.backend == "fast_fp4"] == [Reason.UNSUPPORTED_DEVICE]
 
 

@@ -1,0 +1,159 @@
+"""The CPU experts backend: weights dequantized once at load, float32 GEMMs in every forward.
+
+``prepare`` dequantizes the layer's local experts exactly (:mod:`moe_runtime.reference_math`) into a
+float32 copy laid out for the two GEMMs, and keeps nothing of the checkpoint's tensors. ``forward``
+then runs one of two paths, chosen from the batch's shape alone (no host round trip decides it):
+
+- **dense**: every local expert on every token, two matrix multiplies in all: ``x @ W13`` over the
+  concatenated experts, the gated activation, the intermediate scaled by each token's routing
+  weight for that expert (zero for experts it was not routed to), and one ``@ W2`` over the
+  concatenated experts, which sums over experts as it multiplies. It wastes ``experts / top_k``
+  times the routed work but runs in a handful of operations, which is what small batches of small
+  experts cost on a CPU;
+- **grouped**: rows sorted by expert, ``torch._grouped_mm`` for both GEMMs, routing weights applied
+  and rows added back into token order with one ``index_add_``: the routed work only.
+
+float32, not the model's bfloat16, because a CPU without native bfloat16 dot products (AVX2, most
+AVX-512 parts) multiplies bfloat16 through conversions, measured here 3x to 30x slower than float32
+(benchmarks/RESULTS.md); the copy costs 4 bytes per weight, which the declaration's note states.
+
+A format that quantizes activations and is run as itself (``fp8_w8a8``) has them quantized and
+dequantized here exactly as the reference does (per tensor, with the checkpoint's input scales), so
+the GEMMs see what a W8A8 kernel sees. A W4A4 layer is run as its weight-only format only through
+the declared degradation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F_nn
+
+from moe_runtime import formats as F
+from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+
+COMPUTE_DTYPE = torch.float32
+# The dense path is taken while (tokens x local experts) x (multiply-adds of one expert on one
+# token) stays under this; above it the grouped path's routed-only work wins (measured on the
+# embedded default model and on 30B-shaped layers, benchmarks/RESULTS.md).
+DENSE_MAX_MACS = 1 << 22
+
+_FORMATS = {f.name: f for f in F.BUILTIN_FORMATS}
+
+
+def _activation(name: str):
+    if name == F.SILU:
+        return F_nn.silu
+    if name == F.GELU:
+        return lambda x: F_nn.gelu(x, approximate="none")  # the reference's exact GELU
+    raise ValueError(f"cpu_dequantized has no activation {name!r}; it runs silu and gelu")
+
+
+class CpuDequantizedExperts(ExpertsBackend):
+    """Experts on dequantized float32 weights: a dense path for small batches, grouped GEMMs else."""
+
+    def prepare(self, weights: ExpertWeights) -> None:
+        from moe_runtime.builtin import CPU_DEQUANTIZED
+        from moe_runtime.reference_math import dequantize_expert_weights
+
+        setup = self.setup
+        verdict = CPU_DEQUANTIZED.check(setup.problem, runs_as=setup.runs_as,
+                                        layout=setup.layout, payload=setup.payload)
+        if not verdict:
+            raise ValueError(f"layer {setup.problem.name}: cpu_dequantized cannot run this setup: "
+                             f"{verdict.describe()}")
+        if weights.format != setup.problem.format:
+            raise ValueError(f"layer {setup.problem.name}: got {weights.format} weights for a "
+                             f"{setup.problem.format} layer")
+        if weights.num_experts != setup.num_local_experts:
+            raise ValueError(
+                f"layer {setup.problem.name}: got weights of {weights.num_experts} experts, "
+                f"expected the {setup.num_local_experts} local ones")
+        quantizes = _FORMATS[setup.runs_as].activation_payload
+        if quantizes not in (F.UNQUANTIZED, F.FP8):  # the declaration admits no other
+            raise ValueError(f"cpu_dequantized does not quantize activations to {quantizes}")
+        self.fp8_scales = None
+        if quantizes == F.FP8:
+            self.fp8_scales = (weights.a13_scale.to(COMPUTE_DTYPE).reshape(()),
+                               weights.a2_scale.to(COMPUTE_DTYPE).reshape(()))
+        self.act = _activation(weights.activation)
+        e, i, h = weights.num_experts, weights.intermediate_size, weights.hidden_size
+        self.num_experts, self.inter, self.hidden = e, i, h
+        w13, w2 = dequantize_expert_weights(weights, COMPUTE_DTYPE)  # exact, [E,2I,H], [E,H,I]
+        # Both paths read one copy: W13 as [H, E*2I] (dense: x @ w13_cat; grouped: the per-expert
+        # [H, 2I] views w13_t), W2 as [E*I, H] (dense: one product sums over experts; grouped: the
+        # per-expert [I, H] blocks w2_t).
+        self.w13_cat = w13.permute(2, 0, 1).reshape(h, e * 2 * i).contiguous()
+        self.w13_t = self.w13_cat.view(h, e, 2 * i).permute(1, 0, 2)
+        self.w2_t = w2.transpose(1, 2).contiguous()
+        self.w2_cat = self.w2_t.view(e * i, h)
+        self.dense_limit = DENSE_MAX_MACS // max(1, e * 3 * h * i)  # tokens the dense path takes
+
+    # ------------------------------------------------------------------------------ forward
+
+    def forward(self, d: Dispatched) -> torch.Tensor:
+        out_dtype = d.out_dtype or (d.hidden.dtype if d.payload == F.UNQUANTIZED
+                                    else torch.bfloat16)
+        x = self._input(d)
+        if d.layout == F.TOKEN_MAJOR:
+            n, k = d.topk_ids.shape
+            if n == 0 or k == 0:
+                return x.new_zeros((n, self.hidden)).to(out_dtype)
+            if n <= self.dense_limit:
+                return self._dense(x, d.topk_ids, d.topk_weights).to(out_dtype)
+            return self._grouped(x, d.topk_ids, d.topk_weights).to(out_dtype)
+        if d.layout == F.MASKED:
+            return self._masked(x).to(out_dtype)
+        raise ValueError(f"cpu_dequantized has no layout {d.layout!r}")
+
+    def _input(self, d: Dispatched) -> torch.Tensor:
+        """GEMM 1's input in float32: fp8 payloads dequantized, fp8 formats' inputs quantized."""
+        if d.payload == F.FP8:
+            return d.hidden.to(COMPUTE_DTYPE) * d.hidden_scale.to(COMPUTE_DTYPE)
+        x = d.hidden.to(COMPUTE_DTYPE)
+        if self.fp8_scales is not None:
+            from moe_runtime.quant import fake_quantize_fp8
+
+            x = fake_quantize_fp8(x, self.fp8_scales[0])
+        return x
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        inter = self.act(gate) * up
+        if self.fp8_scales is not None:
+            from moe_runtime.quant import fake_quantize_fp8
+
+            inter = fake_quantize_fp8(inter, self.fp8_scales[1])
+        return inter
+
+    def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        """Every local expert on every token; routing weights (0 where not routed) fold GEMM 2's
+        sum over experts into one product. Ids of ``-1`` land in a dropped column."""
+        n, e, i = x.shape[0], self.num_experts, self.inter
+        ids = topk_ids.long().remainder(e + 1)  # -1 -> e, the dropped column
+        routed = x.new_zeros((n, e + 1)).scatter_add_(1, ids, topk_weights.to(COMPUTE_DTYPE))
+        gate_up = (x @ self.w13_cat).view(n, e, 2 * i)
+        inter = self._gated(gate_up[..., :i], gate_up[..., i:])
+        inter = inter * routed[:, :e].unsqueeze(-1)
+        return inter.view(n, e * i) @ self.w2_cat
+
+    def _grouped(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        """Rows sorted by expert, both GEMMs grouped; slots of ``-1`` sort to the end, unused."""
+        n, k = topk_ids.shape
+        e, i = self.num_experts, self.inter
+        flat = topk_ids.reshape(-1).long().remainder(e + 1)  # -1 -> e, sorted past every expert
+        experts, order = torch.sort(flat)
+        ends = torch.bincount(experts, minlength=e + 1)[:e].cumsum(0, dtype=torch.int32)
+        used = int(ends[-1])  # a CPU tensor: no device round trip
+        order = order[:used]
+        token = order.div(k, rounding_mode="floor")
+        gate_up = torch._grouped_mm(x.index_select(0, token), self.w13_t, offs=ends)
+        inter = self._gated(gate_up[:, :i], gate_up[:, i:])
+        y = torch._grouped_mm(inter, self.w2_t, offs=ends)
+        y = y * topk_weights.reshape(-1).to(COMPUTE_DTYPE).index_select(0, order).unsqueeze(1)
+        return x.new_zeros((n, self.hidden)).index_add_(0, token, y)
+
+    def _masked(self, x) -> torch.Tensor:
+        """``[E, M, H]`` blocks in, unweighted ``[E, M, H]`` out (rows past masked_m: ignored)."""
+        i = self.inter
+        gate_up = torch.bmm(x, self.w13_t)
+        inter = self._gated(gate_up[..., :i], gate_up[..., i:])
+        return torch.bmm(inter, self.w2_t)
