@@ -25,7 +25,7 @@ def _worker(rank, world, port, path, prompt, queue):
         # each rank holds only its experts
         experts = dict(loaded.model.named_modules())[
             plan.problem.name.replace(".block_sparse_moe.", ".mlp.")]._moe_runtime_executor
-        local = experts.experts.weights.num_experts
+        local = experts.experts.setup.num_local_experts  # prepare refuses weights of any others
         # ranks may get different token counts: rank r sees the first prompt rows only
         ids = prompt[: 1 + rank % 2]
         with torch.no_grad():
