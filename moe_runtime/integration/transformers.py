@@ -135,12 +135,18 @@ def load_model(
     ep_size: int | None = None,
     group=None,
     progress: Callable | bool = False,
+    agreement_timeout: float = 120.0,
 ) -> LoadedModel:
     """Load a local checkpoint as a transformers model whose MoE layers run through moe-runtime.
 
     The plan is made (and a refusal raised) before any weight is read. With
     ``dequantize_experts=True`` no plan is made: the experts are dequantized into transformers' own
     parameters (the "transformers with ModelOpt-dequantized weights" reference).
+
+    Under expert parallelism (``ep_size > 1`` and ``torch.distributed`` initialised) the ranks of
+    ``group`` compare their plans before any weight is read (:func:`moe_runtime.agreement.
+    agree_on_plan`): a difference (a refusal on one rank included) stops every rank with one
+    message, a rank that does not report within ``agreement_timeout`` seconds stops the others.
     """
     from transformers import AutoModelForCausalLM
 
@@ -172,8 +178,17 @@ def load_model(
         registry = registry or Registry.load()
         if environment is None:
             environment = Environment.probe(device=device, modules=registry.required_modules())
-        plan = plan_model(problems_from_checkpoint(ckpt), registry=registry,
-                          environment=environment, deployment=deployment)
+
+        def make_plan():
+            return plan_model(problems_from_checkpoint(ckpt), registry=registry,
+                              environment=environment, deployment=deployment)
+
+        if ep_size > 1:
+            from moe_runtime.agreement import plan_and_agree
+
+            plan = plan_and_agree(make_plan, registry, group=group, timeout=agreement_timeout)
+        else:
+            plan = make_plan()
 
     tensors = CheckpointTensors(model_dir)
     config = _hf_config(model_dir, dtype)
