@@ -157,6 +157,42 @@ def route_count_kernel(
 
 
 @triton.jit
+def route_count_sorted_kernel(
+    ids_ptr, counts_ptr, rank_ptr, sorted_ptr,
+    P, E, max_rows, fill_per_program,
+    BLOCK: tl.constexpr, E_P2: tl.constexpr,
+):
+    """``route_count_kernel`` with one atomic per (program, expert) instead of one per pair: the
+    program sorts its pairs by expert (key ``expert * BLOCK + slot``), takes each expert's base
+    row with one vector atomic of its histogram, and ranks a pair by its position in the sorted
+    block. (Atomics on a few hundred counters from every pair serialise at the L2.)"""
+    pid = tl.program_id(0)
+    slot = tl.arange(0, BLOCK)
+    po = pid * BLOCK + slot
+    pmask = po < P
+    e = tl.load(ids_ptr + po, mask=pmask, other=-1).to(tl.int32)
+    valid = pmask & (e >= 0) & (e < E)
+    key = tl.where(valid, e, E_P2) * BLOCK + slot  # invalid pairs sort last
+    skey = tl.sort(key)
+    se = skey // BLOCK
+    sslot = skey % BLOCK
+    svalid = se < E_P2
+    se_c = tl.where(svalid, se, 0)
+    eo = tl.arange(0, E_P2)
+    hist = tl.histogram(tl.where(valid, e, 0), E_P2)
+    hist = hist - tl.where(eo == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+    first = tl.cumsum(hist, axis=0) - hist  # first sorted position of each expert
+    base = tl.atomic_add(counts_ptr + eo, hist, mask=(eo < E) & (hist > 0), sem="relaxed")
+    rank = tl.gather(base, se_c, 0) + slot - tl.gather(first, se_c, 0)
+    tl.store(rank_ptr + pid * BLOCK + sslot, rank, mask=svalid & (pid * BLOCK + sslot < P))
+    fbase = pid * fill_per_program
+    for start in range(0, fill_per_program, BLOCK):
+        fo = fbase + start + slot
+        tl.store(sorted_ptr + fo, tl.zeros([BLOCK], dtype=tl.int32) + P,
+                 mask=(fo < max_rows) & (fo < fbase + fill_per_program))
+
+
+@triton.jit
 def route_offsets_kernel(counts_ptr, bexp_ptr, starts_ptr, E, num_blocks, BLOCK_M: tl.constexpr,
                          E_P2: tl.constexpr):
     eo = tl.arange(0, E_P2)

@@ -35,6 +35,8 @@ TINY_ROUTE_MAX_PAIRS = 64
 DECODE_MAX_PAIRS = 16  # the heuristic's bound for the two-kernel decode path
 PACK_SLICE_BYTES = 64 << 20  # NVFP4 weight rewrite at load, per slice
 SMALL_ROUTE_MAX_PAIRS = 4096
+# large-P counts: sort each program's pairs and take one atomic per (program, expert)
+ROUTE_SORTED_COUNT = os.environ.get("MOE_TRITON_ROUTE_SORTED", "1") != "0"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 EXACT_FP8 = INTERPRET
 # inline PTX for the NVFP4 decode on GPUs; the interpreter runs the portable form
@@ -292,8 +294,12 @@ def route_into(topk_ids: torch.Tensor, E: int, block_m: int, sorted_ids: torch.T
         block = 1024
         grid = triton.cdiv(P, block)
         fill_per = triton.cdiv(triton.cdiv(R, grid), block) * block
-        K.route_count_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
-                                      BLOCK=block, num_warps=4)
+        if ROUTE_SORTED_COUNT:
+            K.route_count_sorted_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
+                                                 BLOCK=block, E_P2=max(16, e_p2), num_warps=4)
+        else:
+            K.route_count_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
+                                          BLOCK=block, num_warps=4)
         K.route_offsets_kernel[(1,)](counts, bexp, starts, E, R // block_m, BLOCK_M=block_m,
                                      E_P2=max(16, e_p2), num_warps=4)
         K.route_scatter_kernel[(grid,)](ids, rank, starts, sorted_ids, P, E, BLOCK=block,
