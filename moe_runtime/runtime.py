@@ -140,14 +140,19 @@ class ExpertsSetup:
     device: str = "cpu"
 
     @property
+    def local_experts(self) -> range:
+        """The global ids of this rank's experts (:func:`moe_runtime.placement.local_experts`)."""
+        from moe_runtime.placement import local_experts
+
+        return local_experts(self.problem.num_experts, self.ep_size, self.ep_rank)
+
+    @property
     def num_local_experts(self) -> int:
-        base, rem = divmod(self.problem.num_experts, self.ep_size)
-        return base + (1 if self.ep_rank < rem else 0)
+        return len(self.local_experts)
 
     @property
     def first_local_expert(self) -> int:
-        base, rem = divmod(self.problem.num_experts, self.ep_size)
-        return self.ep_rank * base + min(self.ep_rank, rem)
+        return self.local_experts.start
 
 
 class ExpertsBackend:

@@ -1,6 +1,6 @@
 """Expert parallelism over ``torch.distributed`` all-to-all (NCCL on GPU, gloo on CPU).
 
-Experts are split into contiguous blocks, one per rank (:class:`ExpertsSetup` says which). Each token
+Experts are split into contiguous blocks, one per rank (:mod:`moe_runtime.placement`). Each token
 goes once to every rank that owns at least one of its experts, with its top-k ids rewritten to that
 rank's local ids (``-1`` elsewhere); the experts backend returns the weighted partial sum, and
 combine sends the partial sums back and adds them in the original token order. The split sizes are
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime import formats as F
+from moe_runtime.placement import owner_table
 from moe_runtime.runtime import CommBackend, Dispatched
 
 
@@ -29,13 +30,8 @@ class A2AHandle:
 
 
 def expert_owner_table(num_experts: int, world: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(owner [E], local_id [E])`` for the contiguous block placement of ExpertsSetup."""
-    base, rem = divmod(num_experts, world)
-    sizes = torch.tensor([base + (1 if r < rem else 0) for r in range(world)])
-    owner = torch.repeat_interleave(torch.arange(world), sizes)
-    starts = torch.cumsum(sizes, 0) - sizes
-    local = torch.arange(num_experts) - starts[owner]
-    return owner.to(device), local.to(device)
+    """``(owner [E], local_id [E])``: :func:`moe_runtime.placement.owner_table`."""
+    return owner_table(num_experts, world, device)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from moe_runtime import formats
+from moe_runtime.placement import local_experts
 
 GiB = 1 << 30
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -188,7 +189,8 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
                                  ("intermediate_size", dense_inter)]))
     if moe_layers:
         first = moe_layers[0]
-        local = [-(-m.num_experts // max(1, ep_size)) for m in moe_layers]
+        # the busiest rank: rank 0 holds the most experts (moe_runtime.placement)
+        local = [len(local_experts(m.num_experts, max(1, ep_size), 0)) for m in moe_layers]
         expert_bytes = sum(
             n * 3 * m.hidden_size * m.intermediate_size
             * _BYTES_PER_WEIGHT.get(m.quant.format, dbytes)

@@ -247,13 +247,10 @@ def load_model(
                 mod.gate_up_proj.data.copy_(w13.to(dtype))
                 mod.down_proj.data.copy_(w2.to(dtype))
             else:
-                lp = plan.for_layer(layer.name)
-                from moe_runtime.runtime import ExpertsSetup
+                from moe_runtime.placement import local_experts
 
-                local = ExpertsSetup(problem=lp.problem, runs_as=lp.runs_as, payload=lp.payload,
-                                     layout=lp.layout, ep_rank=ep_rank, ep_size=ep_size)
-                ids = range(local.first_local_expert,
-                            local.first_local_expert + local.num_local_experts)
+                lp = plan.for_layer(layer.name)
+                ids = local_experts(lp.problem.num_experts, ep_size, ep_rank)
                 w = load_expert_weights(tensors, layer, experts=ids, dtype=dtype).to(device)
                 mod._moe_runtime_executor = build_executor(
                     lp, registry, w, device=device, ep_rank=ep_rank, ep_size=ep_size,

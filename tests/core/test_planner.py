@@ -361,3 +361,31 @@ def test_every_reason_is_documented_with_its_cause():
     rows = {line.split("|")[1].strip().strip("`") for line in doc.splitlines()
             if line.startswith("| `")}
     assert {r.value for r in Reason} <= rows
+
+
+def test_the_placement_rule_gives_every_expert_one_rank_in_contiguous_blocks():
+    from moe_runtime.placement import local_experts, owner_table
+
+    for experts, ranks in ((6, 4), (8, 2), (7, 3), (2, 4)):
+        blocks = [local_experts(experts, ranks, r) for r in range(ranks)]
+        assert [i for b in blocks for i in b] == list(range(experts))
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+        owner, local = owner_table(experts, ranks)
+        for r, b in enumerate(blocks):
+            assert owner[b.start:b.stop].tolist() == [r] * len(b)
+            assert local[b.start:b.stop].tolist() == list(range(len(b)))
+
+
+def test_the_placement_rule_is_written_once():
+    """Setups, loading, the all-to-all tables, DeepEP and the memory estimate read
+    moe_runtime/placement.py; no other module splits experts over ranks itself."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parents[2]
+    sources = [p for d in ("moe_runtime", "plugins") for p in (root / d).rglob("*.py")
+               if "tests" not in p.parts and p.name != "placement.py"]
+    split = re.compile(r"divmod\([^)]*num_experts|num_experts\s*//\s*(?:max\()?\s*\(?\s*"
+                       r"(?:self\.)?(?:world|ep_size)")
+    offenders = [str(p.relative_to(root)) for p in sources if split.search(p.read_text())]
+    assert offenders == [], offenders

@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 import torch
 from moe_runtime import formats as F
+from moe_runtime.placement import local_experts
 from moe_runtime.runtime import CommBackend, Dispatched
 
 from moe_runtime_deepep import layout as L
@@ -129,7 +130,7 @@ class DeepEPComm(CommBackend):
             raise DeepEPError(
                 f"layer {p.name}: deepep {self.mode} mode cannot run it: " + "; ".join(problems)
             )
-        self.num_local_experts = p.num_experts // self.world
+        self.num_local_experts = len(local_experts(p.num_experts, self.world, self.rank))
         self.group = setup.group
         module = None
         if buffer is None:

@@ -26,15 +26,15 @@ FP8_SCALE_BLOCK = 128
 
 
 def expert_owner(num_experts: int, world: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's expert placement: ``(owner [E], local_id [E])``, ``num_experts / world`` contiguous
-    experts per rank. It equals :class:`moe_runtime.runtime.ExpertsSetup`'s placement whenever
-    ``num_experts % world == 0``, which DeepEP requires."""
+    """DeepEP's expert placement: ``(owner [E], local_id [E])`` of moe-runtime's placement rule
+    (:func:`moe_runtime.placement.owner_table`), which DeepEP runs when
+    ``num_experts % world == 0`` (it requires that)."""
+    from moe_runtime.placement import owner_table
+
     if world < 1 or num_experts % world:
         raise ValueError(f"DeepEP needs num_experts % ranks == 0; got {num_experts} experts over "
                          f"{world} ranks")
-    per = num_experts // world
-    ids = torch.arange(num_experts, device=device)
-    return ids // per, ids % per
+    return owner_table(num_experts, world, device)
 
 
 def chunk_spans(num_tokens: int, bound: int, rounds: int) -> list[tuple[int, int]]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+from moe_runtime.placement import local_experts
+
 #: ``NUM_MAX_NVL_PEERS`` (configs.cuh): ranks that one NVLink (intranode) buffer connects.
 NUM_MAX_NVL_PEERS = 8
 
@@ -110,10 +112,10 @@ def check_layer(
             f"DeepEP places num_experts / ranks experts on each rank and asserts num_experts % "
             f"ranks == 0; {num_experts} experts do not divide over {world} ranks"
         )
-    elif num_experts // world > NUM_MAX_LOCAL_EXPERTS:
+    elif len(local_experts(num_experts, world, 0)) > NUM_MAX_LOCAL_EXPERTS:
         problems.append(
-            f"{num_experts // world} local experts exceed DeepEP's NUM_MAX_LOCAL_EXPERTS "
-            f"({NUM_MAX_LOCAL_EXPERTS})"
+            f"{len(local_experts(num_experts, world, 0))} local experts exceed DeepEP's "
+            f"NUM_MAX_LOCAL_EXPERTS ({NUM_MAX_LOCAL_EXPERTS})"
         )
     if mode == "normal":
         if world >= 2 and world not in NORMAL_INTRANODE_WORLD_SIZES:
