@@ -180,7 +180,9 @@ class UsageError(ValueError):
     """An option's value cannot be used; the message names the option (exit status 2)."""
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
+def _check_options(args: argparse.Namespace) -> None:
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     if args.max_batch_size < 1:
         raise UsageError(f"--max-num-seqs must be at least 1, got {args.max_batch_size}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -200,10 +202,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def chat_template_text(value: str) -> str:
     """``--chat-template``: a file's text, or the value itself when it is a Jinja template."""
-    path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except OSError:  # e.g. a template longer than a file name may be
+        is_file = False
+    if is_file:
         try:
-            return path.read_text()
+            return Path(value).expanduser().read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--chat-template {value}: cannot be read: {exc}") from None
     if "{{" in value or "{%" in value:
@@ -227,8 +232,6 @@ def resolve_serve_source(args: argparse.Namespace) -> ServeSource:
     """The model, tokenizer, chat template and generation config that ``args`` name."""
     from moe_runtime.serve.model_source import SourceError, resolve_source
 
-    if args.model and args.model_tag and args.model != args.model_tag:
-        raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     spec = args.model or args.model_tag
     try:
         model_dir = resolve_source(spec) if spec else None
@@ -269,7 +272,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("moe_runtime.serve")
     try:
-        _check_numbers(args)
+        _check_options(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -347,8 +350,8 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
     except (BatchingError, BudgetError) as exc:
         raise _StartupFailure(str(exc)) from None
     log.info("batching: %s", engine.batching.describe())
-    log.info("KV cache: %s; room for %d sequences of the full %d-token context", budget.describe(),
-             budget.tokens // context, context)
+    log.info("KV cache: %s; room for %d sequence(s) of the full %d-token context",
+             budget.describe(), budget.tokens // context, context)
     engine.start(probe=False)
     return engine
 

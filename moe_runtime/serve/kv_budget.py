@@ -10,6 +10,9 @@ One of three, in this order:
    model's dtype);
 3. neither: room for ``--max-num-seqs`` sequences of the full context (``--max-model-len``).
 
+The cache is never made larger than (3): at most ``--max-num-seqs`` sequences run at once, so
+more tokens could not be used; a budget cut to it says so.
+
 A budget that cannot hold one sequence of the full context is refused at start, naming both.
 """
 
@@ -88,8 +91,14 @@ def kv_budget(*, config, dtype_bytes: int, device: str, context_length: int, max
                 "tokens needs: raise --gpu-memory-utilization or lower --max-model-len")
         budget = KVBudget(room // per_token, per_token, source)
     else:
-        budget = KVBudget(max_num_seqs * context_length, per_token,
-                          f"--max-num-seqs {max_num_seqs} sequences of {context_length} tokens")
+        budget = None
+    most = max_num_seqs * context_length
+    full = f"--max-num-seqs {max_num_seqs} sequences of {context_length} tokens"
+    if budget is None:
+        budget = KVBudget(most, per_token, full)
+    elif budget.tokens > most:
+        budget = KVBudget(most, per_token, f"{budget.source}, cut to the {full} that can run at "
+                                           "once")
     if budget.tokens < context_length:
         raise BudgetError(f"the KV cache of {budget.tokens} tokens ({budget.source}) cannot hold "
                           f"one sequence of the full context, {context_length} tokens: raise "

@@ -1,0 +1,262 @@
+"""``moe-runtime serve``'s options under ``vllm serve``'s names, each on a real server: a positional
+model, ``--served-model-name``, ``--chat-template`` and ``chat_template_kwargs``, generation_config
+defaults, ``--max-num-seqs``, ``--max-model-len``, the KV-cache budget, ``--dtype half``, CORS,
+``--max-request-bytes``, cached hub ids with ``--tokenizer``, and ``--seed``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import API_KEY, ServerProcess
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# ChatML, plus a line that Qwen3-style templates add when thinking is switched off
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<|im_start|>no thinking here, please\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def house_model(model_dir, tmp_path_factory):
+    """The default model, whose generation_config.json asks for greedy and 5 new tokens."""
+    folder = tmp_path_factory.mktemp("models") / "house"
+    shutil.copytree(model_dir, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen.update(temperature=0.0, max_new_tokens=5)
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def house(server_factory, house_model):
+    return server_factory([str(house_model), "--served-model-name", "house-model",
+                           "--max-num-seqs", "2", "--max-model-len", "200",
+                           "--chat-template", TEMPLATE, "--kv-cache-tokens", "300",
+                           "--max-request-bytes", "4096", "--dtype", "half",
+                           "--allowed-origins", "http://example.org", "--shutdown-timeout", "2"])
+
+
+@pytest.fixture(scope="module")
+def house_client(house):
+    return openai.OpenAI(base_url=house.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_a_positional_model_is_served_under_its_served_model_name(house, house_client):
+    assert house.model == "house-model"
+    [card] = house_client.models.list().data
+    assert card.id == "house-model"
+    assert card.model_extra["max_model_len"] == 200  # --max-model-len
+
+
+def test_dtype_half_is_float16(house):
+    plan = httpx.get(house.root + "/v1/moe/plan", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert plan.json()["dtype"] == "float16"
+
+
+def test_the_kv_cache_is_sized_by_kv_cache_tokens(house):
+    [line] = house.lines_with("KV cache: ")
+    assert "KV cache: 300 tokens" in line and "--kv-cache-tokens" in line
+    assert "room for 1 sequence(s) of the full 200-token context" in line
+
+
+def test_generation_config_defaults_fill_what_a_request_omits(house, house_client):
+    assert house.lines_with("sampling defaults from generation_config.json")
+    kwargs = dict(model="house-model", prompt="Once upon a time")
+    a = house_client.completions.create(**kwargs)
+    b = house_client.completions.create(**kwargs)
+    greedy = house_client.completions.create(temperature=0, max_tokens=5, **kwargs)
+    assert a.choices[0].text == b.choices[0].text == greedy.choices[0].text  # temperature 0
+    assert a.usage.completion_tokens <= 5  # max_new_tokens 5
+    longer = house_client.completions.create(temperature=0, max_tokens=9, **kwargs)
+    assert longer.usage.completion_tokens > 5 or longer.choices[0].finish_reason == "stop"
+
+
+def test_chat_template_kwargs_reach_the_chat_template(house_client):
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = house_client.chat.completions.create(model="house-model", messages=messages,
+                                                 max_tokens=1)
+    off = house_client.chat.completions.create(
+        model="house-model", messages=messages, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = house_client.chat.completions.create(
+        model="house-model", messages=messages, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert off.usage.prompt_tokens > plain.usage.prompt_tokens == on.usage.prompt_tokens
+
+
+def test_chat_template_kwargs_may_not_replace_the_call_arguments(house_client):
+    with pytest.raises(openai.BadRequestError) as info:
+        house_client.chat.completions.create(
+            model="house-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+            extra_body={"chat_template_kwargs": {"tokenize": False}})
+    assert info.value.param == "chat_template_kwargs" and "'tokenize'" in info.value.message
+
+
+def test_max_request_bytes_caps_the_body(house):
+    body = {"model": "house-model", "prompt": "x" * 5000, "max_tokens": 1}
+    r = httpx.post(house.root + "/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 413
+    assert "4096 bytes" in r.json()["error"]["message"]
+
+
+def test_cors_answers_the_allowed_origin_only(house):
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(house.root + "/v1/completions",
+                       headers={"Origin": "http://example.org", **preflight})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "http://example.org"
+    other = httpx.options(house.root + "/v1/completions",
+                          headers={"Origin": "http://elsewhere.example", **preflight})
+    assert other.headers.get("access-control-allow-origin") != "http://elsewhere.example"
+    get = httpx.get(house.root + "/health", headers={"Origin": "http://example.org"})
+    assert get.headers["access-control-allow-origin"] == "http://example.org"
+
+
+def test_no_cors_headers_without_allowed_origins(server):
+    r = httpx.get(server.root + "/health", headers={"Origin": "http://example.org"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+# ------------------------------------------------------------------------------ hub ids, --seed
+
+
+def _fake_hub(root, repo: str, source, files=None):
+    """``source``'s files as the Hugging Face cache holds a downloaded snapshot of ``repo``."""
+    entry = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = entry / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in source.iterdir():
+        if files is None or f.name in files:
+            shutil.copy(f, snapshot / f.name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def _env(cache_home, hub):
+    return dict(os.environ, XDG_CACHE_HOME=str(cache_home), PYTHONUNBUFFERED="1",
+                HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), TOKENIZERS_PARALLELISM="false")
+
+
+def _texts(base_url: str, model: str) -> list[str]:
+    c = openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    return [c.completions.create(model=model, prompt=p, max_tokens=12, temperature=1.0)
+            .choices[0].text for p in ("Hello", "Hello", "The fox")]
+
+
+def test_a_cached_hub_id_with_a_cached_tokenizer_and_a_seed(model_dir, cache_home, tmp_path):
+    hub = tmp_path / "hub"
+    weights = _fake_hub(hub, "acme/tiny-moe", model_dir)
+    for name in TOKENIZER_FILES:  # the model's snapshot has no tokenizer: --tokenizer gives it
+        (weights / name).unlink()
+    _fake_hub(hub, "acme/tiny-tokenizer", model_dir, files=TOKENIZER_FILES)
+    common = ["--port", "0", "--dtype", "float32", "--api-key", API_KEY, "--seed", "7"]
+    servers = [
+        ServerProcess(["acme/tiny-moe", "--tokenizer", "acme/tiny-tokenizer",
+                       "--gpu-memory-utilization", "0.5", *common], _env(cache_home, hub)),
+        ServerProcess([str(model_dir), *common], _env(cache_home, hub)),
+    ]
+    try:
+        for s in servers:
+            s.wait_ready()
+        hub_server, local = servers
+        assert hub_server.model == "acme/tiny-moe"  # the hub id is the served name
+        [line] = hub_server.lines_with("KV cache: ")
+        assert "--gpu-memory-utilization 0.5 of this machine's physical memory" in line
+        assert "cut to the --max-num-seqs 8 sequences of 1024 tokens" in line
+        seeded = [_texts(s.base_url, s.model) for s in servers]
+        # the same seed: the same unseeded requests in the same order get the same text
+        assert seeded[0] == seeded[1]
+        assert seeded[0][0] != seeded[0][1]  # each request draws a seed of its own
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _serve(*argv, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--port", "0", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_hub_id_not_in_the_cache_is_an_error_naming_it(cache_home, tmp_path):
+    r = _serve("acme/absent-model", env=_env(cache_home, tmp_path), timeout=30)
+    assert r.returncode == 1
+    assert "'acme/absent-model' is not in the local cache" in r.stderr
+    assert "never downloads" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_two_different_models_are_refused(tmp_path):
+    r = _serve(str(tmp_path), "--model", "/elsewhere", timeout=30)
+    assert r.returncode == 2 and "two models given" in r.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
+    (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
+    (["--gpu-memory-utilization", "0.5", "--kv-cache-tokens", "9"], "not both"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be at least 1"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must not be negative"),
+])
+def test_a_bad_number_is_exit_status_2_naming_the_option(argv, needle):
+    r = _serve(*argv, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+
+
+def test_a_chat_template_that_is_no_file_and_no_template_is_refused():
+    r = _serve("--chat-template", "./no/such/template.jinja", timeout=30)
+    assert r.returncode == 1
+    assert "'./no/such/template.jinja' is neither a file nor a Jinja template" in r.stderr
+
+
+def test_a_chat_template_file_is_read(house_model, tmp_path, server_factory):
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE.replace("no thinking here", "NO THINKING, FROM A FILE"))
+    s = server_factory([str(house_model), "--chat-template", str(template)])
+    c = openai.OpenAI(base_url=s.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = c.chat.completions.create(model=s.model, messages=messages, max_tokens=1)
+    off = c.chat.completions.create(model=s.model, messages=messages, max_tokens=1,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > plain.usage.prompt_tokens
+    s.stop()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kv-cache-tokens", "100"], "cannot hold one sequence of the full context, 1024 tokens"),
+    (["--gpu-memory-utilization", "0.000001"], "raise --gpu-memory-utilization"),
+])
+def test_a_kv_cache_too_small_for_one_context_is_refused_at_start(model_dir, argv, needle):
+    r = _serve(str(model_dir), *argv)
+    assert r.returncode == 1, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_names_the_vllm_options_and_their_aliases():
+    r = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "serve", "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for option in ("MODEL", "--served-model-name", "--tokenizer", "--chat-template",
+                   "--max-num-seqs N, --max-batch-size N", "--max-model-len",
+                   "--gpu-memory-utilization", "--kv-cache-tokens", "--seed",
+                   "--generation-config", "--allowed-origins", "--allowed-methods",
+                   "--allowed-headers", "--allow-credentials", "--max-request-bytes",
+                   "--shutdown-timeout", "half"):
+        assert option in r.stdout, option
