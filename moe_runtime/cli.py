@@ -26,14 +26,21 @@ def _blocked(args) -> list[str]:
     return out
 
 
+def plugin_options(args, environ=None):
+    """The :class:`~moe_runtime.manager.PluginOptions` of a command: the environment variables,
+    then the global options ``-p no:NAME``, ``--disable-plugin-autoload``, ``--strict-plugins``."""
+    from moe_runtime.manager import PluginOptions
+
+    return PluginOptions.from_environ(environ).with_command_line(
+        blocked=_blocked(args), disable_autoload=args.disable_plugin_autoload,
+        strict=args.strict_plugins)
+
+
 def load_registry(args):
     from moe_runtime.manager import Registry
 
-    return Registry.load(
-        blocked=_blocked(args),
-        autoload=False if args.disable_plugin_autoload else None,
-        strict=True if args.strict_plugins else None,
-    )
+    options = getattr(args, "plugin_options", None) or plugin_options(args)
+    return Registry.load(options=options)
 
 
 # ------------------------------------------------------------------------------------ plugins
@@ -432,25 +439,26 @@ def _add_optional_commands(sub) -> None:
         p.set_defaults(func=run_serve)
 
 
+def _export_plugin_options_for_serve(options) -> None:
+    """serve loads its plugins from the environment variables (it does not take the record yet):
+    for that command alone, the record is written there."""
+    import os
+
+    os.environ.update(options.to_environ())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    import os
+    from moe_runtime.manager import PluginError
 
-    from moe_runtime.manager import ENV_BLOCK, ENV_NO_AUTOLOAD, ENV_STRICT, PluginError
-
-    # Global plugin options reach every command, including those that load plugins themselves
-    # (serve, conformance), the same way the environment variables do.
-    blocked = _blocked(args)
-    if blocked:
-        os.environ[ENV_BLOCK] = ",".join(filter(None, [os.environ.get(ENV_BLOCK, "")] + blocked))
-    if args.disable_plugin_autoload:
-        os.environ[ENV_NO_AUTOLOAD] = "1"
-    if args.strict_plugins:
-        os.environ[ENV_STRICT] = "1"
+    # The global plugin options travel to every command in one record, args.plugin_options.
+    args.plugin_options = plugin_options(args)
+    if args.command == "serve":
+        _export_plugin_options_for_serve(args.plugin_options)
     try:
         return int(args.func(args) or 0)
     except PluginError as exc:

@@ -57,13 +57,49 @@ def blocked_from_env(environ=None) -> frozenset[str]:
     return frozenset(n.strip() for n in environ.get(ENV_BLOCK, "").split(",") if n.strip())
 
 
-class MoEPluginManager(pluggy.PluginManager):
-    """A pluggy manager that also remembers every plugin it tried to load."""
+@attrs.frozen
+class PluginOptions:
+    """How plugins are loaded, in one record passed down from the command line to every loader.
 
-    def __init__(self) -> None:
+    :param blocked: plugin names not to load (``-p no:NAME``, ``MOE_RUNTIME_BLOCK_PLUGINS``).
+    :param autoload: load entry points of the group ``moe_runtime``
+        (off: ``--disable-plugin-autoload``, ``MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD=1``).
+    :param strict: a plugin that fails to load is fatal
+        (``--strict-plugins``, ``MOE_RUNTIME_STRICT_PLUGINS=1``).
+    """
+
+    blocked: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    autoload: bool = True
+    strict: bool = False
+
+    @classmethod
+    def from_environ(cls, environ=None) -> PluginOptions:
+        """What the environment variables say (``os.environ`` unless ``environ`` is given)."""
+        environ = os.environ if environ is None else environ
+        return cls(blocked_from_env(environ), not _truthy(environ.get(ENV_NO_AUTOLOAD)),
+                   _truthy(environ.get(ENV_STRICT)))
+
+    def with_command_line(self, *, blocked: Iterable[str] = (), disable_autoload: bool = False,
+                          strict: bool = False) -> PluginOptions:
+        """These options and the global options of ``moe-runtime`` (which only add)."""
+        return PluginOptions(self.blocked | frozenset(blocked),
+                             self.autoload and not disable_autoload, self.strict or strict)
+
+    def to_environ(self) -> dict[str, str]:
+        """The environment variables that give a child process these options."""
+        return {ENV_BLOCK: ",".join(sorted(self.blocked)),
+                ENV_NO_AUTOLOAD: "" if self.autoload else "1",
+                ENV_STRICT: "1" if self.strict else ""}
+
+
+class MoEPluginManager(pluggy.PluginManager):
+    """A pluggy manager that also remembers every plugin it tried to load, and how."""
+
+    def __init__(self, options: PluginOptions | None = None) -> None:
         super().__init__(hookspecs.PROJECT)
         self.add_hookspecs(hookspecs)
         self.plugin_infos: list[PluginInfo] = []
+        self.options = options or PluginOptions()
 
 
 def get_plugin_manager(
@@ -73,6 +109,7 @@ def get_plugin_manager(
     strict: bool | None = None,
     plugins: Iterable[object] = (),
     environ=None,
+    options: PluginOptions | None = None,
 ) -> MoEPluginManager:
     """Build a fresh plugin manager.
 
@@ -82,15 +119,15 @@ def get_plugin_manager(
     :param strict: raise :class:`PluginError` on a plugin that fails to load (default: from
         ``MOE_RUNTIME_STRICT_PLUGINS``); otherwise record it and go on.
     :param plugins: extra plugin objects (modules or instances) to register last.
+    :param options: a :class:`PluginOptions` record (the command line's), used instead of the
+        environment variables; ``blocked``, ``autoload`` and ``strict`` still apply on top.
     """
-    environ = os.environ if environ is None else environ
-    blocked = frozenset(blocked) | blocked_from_env(environ)
-    if autoload is None:
-        autoload = not _truthy(environ.get(ENV_NO_AUTOLOAD))
-    if strict is None:
-        strict = _truthy(environ.get(ENV_STRICT))
+    base = options if options is not None else PluginOptions.from_environ(environ)
+    blocked = frozenset(blocked) | base.blocked
+    autoload = base.autoload if autoload is None else autoload
+    strict = base.strict if strict is None else strict
 
-    pm = MoEPluginManager()
+    pm = MoEPluginManager(PluginOptions(blocked, autoload, strict))
     for name in blocked:
         pm.set_blocked(name)
 
@@ -213,10 +250,13 @@ class Registry:
     experts: dict[str, Registered] = attrs.field(factory=dict)
     comms: dict[str, Registered] = attrs.field(factory=dict)
     plugin_infos: tuple[PluginInfo, ...] = ()
+    #: how the plugins were loaded: what a child process needs to load the same ones
+    options: PluginOptions = attrs.field(factory=PluginOptions)
 
     @classmethod
     def from_plugin_manager(cls, pm: MoEPluginManager) -> Registry:
-        reg = cls(plugin_infos=tuple(getattr(pm, "plugin_infos", ())))
+        reg = cls(plugin_infos=tuple(getattr(pm, "plugin_infos", ())),
+                  options=getattr(pm, "options", None) or PluginOptions())
         _call_each(pm.hook.moe_runtime_register_formats, reg._add_format)
         _call_each(pm.hook.moe_runtime_register_backends, reg._add_backend)
         reg._validate()

@@ -72,7 +72,10 @@ def run_conformance(args) -> int:
     for case in cases:
         argv += ["--moe-conformance-case", case]
     argv += extra
-    code = pytest.main(argv)
+    from moe_runtime.testing.plugin import PluginOptionsForSuite
+
+    options = getattr(args, "plugin_options", None)
+    code = pytest.main(argv, plugins=[PluginOptionsForSuite(options)] if options else [])
     if code == 5:
         print("conformance: no test ran", file=sys.stderr)
     return int(code)

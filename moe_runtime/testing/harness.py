@@ -452,7 +452,8 @@ def run_comm_case(registry: Registry, case: CommCase, env: Environment,
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_comm_worker,
-                         args=(r, case.world_size, port, {}, case, seed, queue))
+                         args=(r, case.world_size, port, {"options": registry.options},
+                               case, seed, queue))
              for r in range(case.world_size)]
     for p in procs:
         p.start()
@@ -500,8 +501,9 @@ def check_token_bound(registry: Registry, case: TokenBoundCase) -> str:
     return chosen.comm_mode
 
 
-def imports_of_entry_point(backend: str) -> list[str]:
-    """Kernel modules imported by loading every plugin and declaration (in a fresh process)."""
+def imports_of_entry_point(backend: str, options=None) -> list[str]:
+    """Kernel modules imported by loading every plugin and declaration (in a fresh process that
+    loads plugins as ``options``, a :class:`~moe_runtime.manager.PluginOptions`, say)."""
     code = (
         "import sys, json; from moe_runtime.manager import Registry; r = Registry.load(); "
         f"spec = (r.experts.get({backend!r}) or r.comms.get({backend!r})).spec; "
@@ -509,8 +511,9 @@ def imports_of_entry_point(backend: str) -> list[str]:
         f"bad = [m for m in {KERNEL_MODULES!r} + (mod,) if m in sys.modules]; "
         "print(json.dumps(bad))"
     )
+    env = dict(os.environ, **(options.to_environ() if options is not None else {}))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=env)
     if out.returncode != 0:
         raise AssertionError(f"loading the plugins failed: {out.stderr[-2000:]}")
     import json

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
+from moe_runtime.manager import PluginOptions, Registry
 
 
 def pytest_addoption(parser):
@@ -24,20 +24,38 @@ def pytest_addoption(parser):
                   type="args", default=[])
 
 
-_STATE: dict = {}
+class PluginOptionsForSuite:
+    """Handed to ``pytest.main(plugins=[...])`` by ``moe-runtime conformance``: the command's
+    plugin options (``-p no:NAME`` ...). Without it the suite reads the environment variables."""
+
+    def __init__(self, options: PluginOptions) -> None:
+        self.moe_runtime_plugin_options = options
 
 
-def _registry() -> Registry:
-    if "registry" not in _STATE:
-        _STATE["registry"] = Registry.load()
-    return _STATE["registry"]
+_REGISTRY = pytest.StashKey[Registry]()
+_ENVIRONMENT = pytest.StashKey[Environment]()
 
 
-def _environment() -> Environment:
-    if "env" not in _STATE:
-        reg = _registry()
-        _STATE["env"] = Environment.probe(modules=reg.required_modules())
-    return _STATE["env"]
+def _options(config) -> PluginOptions:
+    for plugin in config.pluginmanager.get_plugins():
+        options = getattr(plugin, "moe_runtime_plugin_options", None)
+        if isinstance(options, PluginOptions):
+            return options
+    return PluginOptions.from_environ()
+
+
+def _registry(config) -> Registry:
+    """The session's registry, loaded once per pytest run (kept in its config, not a global)."""
+    if _REGISTRY not in config.stash:
+        config.stash[_REGISTRY] = Registry.load(options=_options(config))
+    return config.stash[_REGISTRY]
+
+
+def _environment(config) -> Environment:
+    if _ENVIRONMENT not in config.stash:
+        reg = _registry(config)
+        config.stash[_ENVIRONMENT] = Environment.probe(modules=reg.required_modules())
+    return config.stash[_ENVIRONMENT]
 
 
 def _selected(metafunc) -> list[str]:
@@ -50,7 +68,7 @@ def _selected(metafunc) -> list[str]:
         raise pytest.UsageError(
             "the moe-runtime conformance suite needs backends to check: pass --moe-conformance "
             "NAME, set the ini option moe_conformance, or MOE_CONFORMANCE_BACKENDS in the module")
-    reg = _registry()
+    reg = _registry(metafunc.config)
     known = set(reg.experts) | set(reg.comms)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -71,7 +89,7 @@ def pytest_generate_tests(metafunc):
               "conformance_backend"}
     if not wanted & set(metafunc.fixturenames):
         return
-    reg = _registry()
+    reg = _registry(metafunc.config)
     names = _selected(metafunc)
     only = set(metafunc.config.getoption("moe_conformance_case") or ())
 
@@ -99,13 +117,13 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="session")
-def conformance_registry() -> Registry:
-    return _registry()
+def conformance_registry(request) -> Registry:
+    return _registry(request.config)
 
 
 @pytest.fixture(scope="session")
-def conformance_environment() -> Environment:
-    return _environment()
+def conformance_environment(request) -> Environment:
+    return _environment(request.config)
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,6 @@ def test_conformance_batch_past_a_declared_bound_is_not_given_to_the_mode(
     check_token_bound(conformance_registry, token_bound_case)
 
 
-def test_conformance_entry_point_imports_no_kernels(conformance_backend):
-    bad = imports_of_entry_point(conformance_backend)
+def test_conformance_entry_point_imports_no_kernels(conformance_backend, conformance_registry):
+    bad = imports_of_entry_point(conformance_backend, conformance_registry.options)
     assert bad == [], f"loading the plugins imported {bad} before {conformance_backend} was selected"

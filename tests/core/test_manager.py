@@ -238,3 +238,37 @@ def test_discovery_imports_no_kernel_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_plugin_options_are_a_record_read_from_the_environment_and_the_command_line():
+    from moe_runtime.manager import PluginOptions
+
+    env = {"MOE_RUNTIME_BLOCK_PLUGINS": "a, b", "MOE_RUNTIME_STRICT_PLUGINS": "1"}
+    options = PluginOptions.from_environ(env)
+    assert options == PluginOptions(blocked={"a", "b"}, autoload=True, strict=True)
+    both = options.with_command_line(blocked=["c"], disable_autoload=True)
+    assert both == PluginOptions(blocked={"a", "b", "c"}, autoload=False, strict=True)
+    assert PluginOptions.from_environ(both.to_environ()) == both  # what a child process gets
+
+
+def test_the_command_line_passes_plugin_options_down_without_writing_the_environment(
+        monkeypatch, capsys):
+    import os
+
+    from moe_runtime.cli import main
+
+    for name in ("MOE_RUNTIME_BLOCK_PLUGINS", "MOE_RUNTIME_DISABLE_PLUGIN_AUTOLOAD",
+                 "MOE_RUNTIME_STRICT_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    assert main(["-p", "no:builtin", "--disable-plugin-autoload", "plugins", "--json"]) == 0
+    assert dict(os.environ) == before
+    data = json.loads(capsys.readouterr().out)
+    assert [(p["name"], p["status"]) for p in data["plugins"]] == [("builtin", "blocked")]
+
+
+def test_a_registry_remembers_how_its_plugins_were_loaded():
+    from moe_runtime.manager import PluginOptions
+
+    reg = Registry.load(autoload=False, environ={"MOE_RUNTIME_BLOCK_PLUGINS": "x"})
+    assert reg.options == PluginOptions(blocked={"x"}, autoload=False, strict=False)
