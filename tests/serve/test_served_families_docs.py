@@ -1,4 +1,4 @@
-"""The served families shown in docs/serving.md and ``moe-runtime serve --help`` are the table's."""
+"""The served families shown in docs/serve.md and ``moe-runtime serve --help`` are the table's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from moe_runtime.checkpoint.architectures import served_families, unserved_families
 from moe_runtime.serve.command import served_families_text
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 
 
 def test_the_docs_block_is_the_generated_list():
