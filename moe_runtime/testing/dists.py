@@ -50,12 +50,13 @@ def pip_install_target(srcs: list[Path], target: Path) -> None:
         raise RuntimeError(f"pip install --target failed:\n{r.stdout}\n{r.stderr}")
 
 
-def run_cli(*args: str, site: Path | None = None, env: dict | None = None):
-    """Run ``python -m moe_runtime.cli ARGS`` with ``site`` on PYTHONPATH."""
+def run_cli(*args: str, site: Path | None = None, env: dict | None = None, timeout: float = 900):
+    """Run ``python -m moe_runtime.cli ARGS`` with ``site`` on PYTHONPATH (a whole conformance run of
+    several backends takes about a minute on two idle cores; the bound is for a hung run)."""
     environ = dict(os.environ)
     environ.pop("MOE_RUNTIME_BLOCK_PLUGINS", None)
     if site is not None:
         environ["PYTHONPATH"] = str(site) + os.pathsep + environ.get("PYTHONPATH", "")
     environ.update(env or {})
     return subprocess.run([sys.executable, "-m", "moe_runtime.cli", *args], env=environ,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
