@@ -19,6 +19,8 @@ _DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": 
 # in a request
 SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                      "max_new_tokens": "max_tokens"}
+# generation_config.json fields vLLM also reads that this server does not apply (logged at start)
+UNAPPLIED_DEFAULTS = ("repetition_penalty", "min_p")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "tokenizer_config.json")
 
@@ -162,6 +164,14 @@ def generation_defaults(folder: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
     out = {}
+    if isinstance(data, dict):
+        ignored = {k: data[k] for k in UNAPPLIED_DEFAULTS if k in data and data[k] not in (1.0, 0.0)}
+        if ignored:
+            import logging
+
+            logging.getLogger("moe_runtime.serve").warning(
+                "%s sets %s, which this server does not apply", file,
+                ", ".join(f"{k}={v}" for k, v in ignored.items()))
     for key, field in SAMPLING_DEFAULTS.items():
         value = data.get(key) if isinstance(data, dict) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -193,7 +203,7 @@ def _plan_only(path: Path, device: str, deployment) -> None:
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.manager import Registry
-    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.planner import plan_model
 
     registry = Registry.load()

@@ -260,3 +260,28 @@ def test_help_names_the_vllm_options_and_their_aliases():
                    "--allowed-headers", "--allow-credentials", "--max-request-bytes",
                    "--shutdown-timeout", "half"):
         assert option in r.stdout, option
+
+
+def test_generation_defaults_are_only_what_the_file_sets(tmp_path, caplog):
+    from moe_runtime.serve.loading import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+        "max_new_tokens": 64, "repetition_penalty": 1.1, "eos_token_id": [1, 2]}))
+    with caplog.at_level("WARNING", logger="moe_runtime.serve"):
+        defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert "repetition_penalty=1.1, which this server does not apply" in caplog.text
+    assert generation_defaults(tmp_path / "nothing-here") == {}
+
+
+@pytest.mark.parametrize("value, expected", [("vllm", None), ("none", None), ("auto", "auto")])
+def test_generation_config_vllm_turns_the_defaults_off(value, expected):
+    import argparse
+
+    from moe_runtime.serve.command import add_serve_arguments, resolve_serve_source
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    source = resolve_serve_source(parser.parse_args(["--generation-config", value]))
+    assert source.generation_config == expected
