@@ -128,7 +128,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def make_plan(args, checkpoint, registry):
     """Plan ``checkpoint`` (a CheckpointInfo) for the options in ``args``."""
     from moe_runtime.environment import Environment
-    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.planner import Deployment, plan_model
 
     if args.ep_size < 1:
@@ -204,7 +204,7 @@ def cmd_check(args) -> int:
 
 def cmd_plan(args) -> int:
     from moe_runtime.checkpoint import CheckpointError, read_checkpoint
-    from moe_runtime.model_plan import checkpoint_summary
+    from moe_runtime.checkpoint.problems import checkpoint_summary
     from moe_runtime.planner import PlanError
 
     # A described target is not this machine: its memory is estimated, not compared. A folder of

@@ -17,7 +17,7 @@ from moe_runtime import formats as F
 
 if TYPE_CHECKING:  # records only: no import cycle at run time
     from moe_runtime.environment import Environment
-    from moe_runtime.runtime import LayerProblem
+    from moe_runtime.backend_api import LayerProblem
 
 
 def _fs(items: Iterable[str] | str) -> frozenset[str]:

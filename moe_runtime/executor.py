@@ -14,7 +14,7 @@ from moe_runtime.declarations import load_factory
 from moe_runtime.manager import Registry
 from moe_runtime.planner import LayerPlan
 from moe_runtime.router import RouterConfig, route
-from moe_runtime.runtime import CommSetup, ExpertsSetup, ExpertWeights
+from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights
 
 
 class MoEExecutor:

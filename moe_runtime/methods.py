@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import ExpertWeights
+from moe_runtime.backend_api import ExpertWeights
 from moe_runtime.tensors import CheckpointTensors, WeightError
 
 FP8 = torch.float8_e4m3fn

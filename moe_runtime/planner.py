@@ -22,7 +22,7 @@ from moe_runtime.declarations import (
 )
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
-from moe_runtime.runtime import LayerProblem
+from moe_runtime.backend_api import LayerProblem
 
 
 @attrs.frozen

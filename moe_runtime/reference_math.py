@@ -32,7 +32,7 @@ from moe_runtime.quant import (
     quantize_fp8_per_tensor,
     quantize_nvfp4,
 )
-from moe_runtime.runtime import ExpertWeights
+from moe_runtime.backend_api import ExpertWeights
 
 __all__ = [
     "dequantize_expert_weights",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_runtime import formats as F
 from moe_runtime.placement import owner_table
-from moe_runtime.runtime import CommBackend, Dispatched
+from moe_runtime.backend_api import CommBackend, Dispatched
 
 
 @attrs.frozen

@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import CommBackend, Dispatched
+from moe_runtime.backend_api import CommBackend, Dispatched
 
 
 @attrs.frozen

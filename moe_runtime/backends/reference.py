@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
 
 
 class ReferenceExperts(ExpertsBackend):

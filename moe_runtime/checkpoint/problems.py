@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_runtime.runtime import LayerProblem
+from moe_runtime.backend_api import LayerProblem
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16"}
 

@@ -2,7 +2,7 @@
 
 moe-runtime registers itself in transformers' ``ExpertsInterface`` under ``"moe_runtime"``: the
 model's own router computes top-k ids and weights, and each experts module hands them to the
-layer's :class:`~moe_runtime.layer.MoEExecutor`. The model code stays untouched; the hot path is one
+layer's :class:`~moe_runtime.executor.MoEExecutor`. The model code stays untouched; the hot path is one
 attribute lookup and the plan's two backends.
 
 Weights are read from the checkpoint folder directly: MoE experts through their quantization
@@ -47,7 +47,7 @@ class LoadedModel:
     device: str
 
     def plan_json(self) -> dict:
-        from moe_runtime.model_plan import checkpoint_summary
+        from moe_runtime.checkpoint.problems import checkpoint_summary
 
         data = {"checkpoint": checkpoint_summary(self.checkpoint), "linears": self.linears}
         if self.plan is not None:
@@ -153,10 +153,10 @@ def load_model(
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.checkpoint.check import require_sound_checkpoint
     from moe_runtime.environment import Environment
-    from moe_runtime.layer import build_executor
+    from moe_runtime.executor import build_executor
     from moe_runtime.manager import Registry
     from moe_runtime.methods import load_expert_weights
-    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.planner import Deployment, plan_model
     from moe_runtime.reference_math import dequantize_expert_weights
 

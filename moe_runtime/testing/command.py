@@ -24,6 +24,15 @@ def add_conformance_command(sub) -> None:
     p.set_defaults(func=run_conformance)
 
 
+class PluginOptionsForSuite:
+    """Handed to ``pytest.main(plugins=[...])``: the command's plugin options (``-p no:NAME``
+    ...), which the suite's pytest plugin reads (without it, the environment variables). Defined
+    here, not in the suite's plugin module, which pytest must import itself to rewrite asserts."""
+
+    def __init__(self, options) -> None:
+        self.moe_runtime_plugin_options = options
+
+
 def run_conformance(args) -> int:
     try:
         import pytest
@@ -72,8 +81,6 @@ def run_conformance(args) -> int:
     for case in cases:
         argv += ["--moe-conformance-case", case]
     argv += extra
-    from moe_runtime.testing.plugin import PluginOptionsForSuite
-
     options = getattr(args, "plugin_options", None)
     code = pytest.main(argv, plugins=[PluginOptionsForSuite(options)] if options else [])
     if code == 5:

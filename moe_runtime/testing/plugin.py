@@ -24,19 +24,13 @@ def pytest_addoption(parser):
                   type="args", default=[])
 
 
-class PluginOptionsForSuite:
-    """Handed to ``pytest.main(plugins=[...])`` by ``moe-runtime conformance``: the command's
-    plugin options (``-p no:NAME`` ...). Without it the suite reads the environment variables."""
-
-    def __init__(self, options: PluginOptions) -> None:
-        self.moe_runtime_plugin_options = options
-
-
 _REGISTRY = pytest.StashKey[Registry]()
 _ENVIRONMENT = pytest.StashKey[Environment]()
 
 
 def _options(config) -> PluginOptions:
+    """``moe-runtime conformance``'s plugin options (``PluginOptionsForSuite``), else the
+    environment variables."""
     for plugin in config.pluginmanager.get_plugins():
         options = getattr(plugin, "moe_runtime_plugin_options", None)
         if isinstance(options, PluginOptions):

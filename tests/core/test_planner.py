@@ -19,7 +19,7 @@ from moe_runtime import (
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
-from moe_runtime.runtime import LayerProblem
+from moe_runtime.backend_api import LayerProblem
 
 SM100 = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange.exactly("10.0"),
                                                       CapabilityRange.exactly("10.3")])

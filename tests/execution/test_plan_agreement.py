@@ -59,7 +59,7 @@ def _plan_directly(site):
     from moe_runtime.environment import Environment
     from moe_runtime.manager import Registry
     from moe_runtime.planner import Deployment, plan_model
-    from moe_runtime.runtime import LayerProblem
+    from moe_runtime.backend_api import LayerProblem
 
     sys.path.insert(0, site)
     registry = Registry.load(blocked=["humming"], environ={})

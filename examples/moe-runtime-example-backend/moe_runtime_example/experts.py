@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime import formats
-from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
 
 _DTYPES = {formats.BF16: torch.bfloat16, formats.FP16: torch.float16}
 _ACTIVATIONS = {formats.SILU: F.silu, formats.GELU: F.gelu}  # exact (erf) GELU, as the reference

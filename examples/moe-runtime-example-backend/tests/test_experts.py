@@ -3,7 +3,7 @@
 import torch
 
 from moe_runtime.reference_math import reference_fused_experts
-from moe_runtime.runtime import Dispatched, ExpertsSetup, ExpertWeights, LayerProblem
+from moe_runtime.backend_api import Dispatched, ExpertsSetup, ExpertWeights, LayerProblem
 from moe_runtime_example.experts import BmmExperts
 
 

@@ -6,7 +6,7 @@ buffer is handed in (the tests hand in a simulation, see ``tests/simulated_deep_
 Mode per plan: a layer planned with the token-major layout runs DeepEP's normal kernels
 (``get_dispatch_layout`` + ``dispatch`` / ``combine``), one planned with the masked layout runs the
 low-latency kernels (``low_latency_dispatch`` / ``low_latency_combine``). What each returns, and
-how it maps onto :class:`moe_runtime.runtime.Dispatched`:
+how it maps onto :class:`moe_runtime.backend_api.Dispatched`:
 
 - normal ``dispatch`` returns ``recv_x`` (rows grouped by source rank, in source token order),
   ``recv_topk_idx`` already rewritten to *local* expert ids with ``-1`` for experts elsewhere (the
@@ -39,7 +39,7 @@ import attrs
 import torch
 from moe_runtime import formats as F
 from moe_runtime.placement import local_experts
-from moe_runtime.runtime import CommBackend, Dispatched
+from moe_runtime.backend_api import CommBackend, Dispatched
 
 from moe_runtime_deepep import layout as L
 from moe_runtime_deepep import limits
@@ -102,7 +102,7 @@ def release_buffers() -> None:
 class DeepEPComm(CommBackend):
     """DeepEP dispatch/combine for one layer.
 
-    :param setup: the plan's :class:`moe_runtime.runtime.CommSetup`.
+    :param setup: the plan's :class:`moe_runtime.backend_api.CommSetup`.
     :param buffer: a ``deep_ep.Buffer`` to use (or a stand-in with its methods); by default one is
         created (or reused) for the group and mode, sized for this layer.
     :param settings: run-time policies; by default read from the environment.

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 from deepep_sim import SimulatedBufferV12, SimulatedBufferV100
 from moe_runtime import formats as F
-from moe_runtime.runtime import CommSetup, LayerProblem
+from moe_runtime.backend_api import CommSetup, LayerProblem
 
 from moe_runtime_deepep import limits
 from moe_runtime_deepep.api import inspect_buffer_api

@@ -1,6 +1,6 @@
 """Weight preparation for FlashInfer's CuTe-DSL NVFP4 MoE, done once at load, in plain torch.
 
-Input: :class:`moe_runtime.runtime.ExpertWeights` in the checkpoint's NVFP4 layout (``w13`` uint8
+Input: :class:`moe_runtime.backend_api.ExpertWeights` in the checkpoint's NVFP4 layout (``w13`` uint8
 ``[E, 2I, H/2]`` with gate rows first, then up; e4m3 block scales ``[E, 2I, H/16]``; per-expert
 ``weight_scale_2`` ``[E]``; the layer's 0-dim ``input_scale`` per GEMM). Output: a
 :class:`PreparedExperts` holding exactly the tensors the kernels take. Each step is a function
@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import ExpertsSetup, ExpertWeights
+from moe_runtime.backend_api import ExpertsSetup, ExpertWeights
 
 #: Rows per half-chunk of the gate/up interleave of ``CuteDslMoEWrapper``'s GEMM 1 weight.
 GATE_UP_CHUNK = 64

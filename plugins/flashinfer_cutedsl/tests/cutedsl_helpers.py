@@ -9,7 +9,7 @@ import importlib.util
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import ExpertsSetup, ExpertWeights, LayerProblem
+from moe_runtime.backend_api import ExpertsSetup, ExpertWeights, LayerProblem
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0

@@ -22,10 +22,10 @@ import torch
 from moe_runtime import CommBackendSpec, CommSupport, Hardware, hookimpl
 from moe_runtime import formats as F
 from moe_runtime.environment import Environment
-from moe_runtime.layer import build_executor
+from moe_runtime.executor import build_executor
 from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, plan_layer
-from moe_runtime.runtime import LayerProblem
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime_flashinfer_cutedsl import plugin
 
 from cutedsl_helpers import blackwell_kernels_here, make_nvfp4_weights
@@ -104,7 +104,7 @@ def test_masked_nvfp4_payload_matches_the_16bit_payload(registry, environment):
     """Activations quantized before dispatch (moe-runtime's NVFP4 codec, the layer's input scale
     as global scale) give what the backend's own grouped quantizer gives."""
     from moe_runtime.quant.nvfp4 import quantize_nvfp4
-    from moe_runtime.runtime import ExpertsSetup
+    from moe_runtime.backend_api import ExpertsSetup
     from moe_runtime_flashinfer_cutedsl.backend import CuteDslExperts
 
     s = QWEN3_30B
@@ -117,7 +117,7 @@ def test_masked_nvfp4_payload_matches_the_16bit_payload(registry, environment):
     masked_m = torch.randint(0, m + 1, (s["experts"],), generator=gen, dtype=torch.int32).cuda()
 
     def run(payload, d_hidden, d_scale=None):
-        from moe_runtime.runtime import Dispatched
+        from moe_runtime.backend_api import Dispatched
 
         be = CuteDslExperts(setup=ExpertsSetup(problem=problem, runs_as=F.NVFP4_W4A4,
                                                payload=payload, layout=F.MASKED, device="cuda"))

@@ -17,7 +17,7 @@ from moe_runtime import formats as F
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
-from moe_runtime.runtime import LayerProblem
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime_flashinfer_cutedsl import plugin
 
 NAME = plugin.NAME
@@ -185,7 +185,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _plan(ckpt, registry, env):
-    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
 
     return plan_model(problems_from_checkpoint(ckpt), registry=registry, environment=env)
 

@@ -234,7 +234,7 @@ def test_a_wrong_number_of_experts_is_refused():
 def _synthetic_nvfp4(e=3, h=256, i=128, seed=10):
     """Random bytes in the NVFP4 layout (no quantizer needed): the preparation only moves bytes
     and multiplies scalars."""
-    from moe_runtime.runtime import ExpertWeights
+    from moe_runtime.backend_api import ExpertWeights
 
     g = torch.Generator().manual_seed(seed)
 

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
 from moe_runtime_triton import ops
 from moe_runtime_triton.plugin import TRITON_EXPERTS
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import ExpertWeights
+from moe_runtime.backend_api import ExpertWeights
 from moe_runtime_triton import kernels as K
 from moe_runtime_triton.plugin import TRITON_EXPERTS
 

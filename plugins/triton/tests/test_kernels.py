@@ -20,7 +20,7 @@ from moe_runtime.quant import (
     quantize_fp8_per_tensor,
 )
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
-from moe_runtime.runtime import ExpertWeights
+from moe_runtime.backend_api import ExpertWeights
 
 # bf16: on GPUs the output itself is rounded to bf16 (about 2e-3 relative); on CPU the "bf16"
 # layer runs in float32
