@@ -71,6 +71,8 @@ class _Job:
     max_tokens: int
     sampling: SamplingParams
     echo: str = ""
+    # echo with logprobs: the prompt's (token, logprob, top) entries, the first logprob None
+    echo_logprobs: tuple = ()
 
 
 class _Server:
@@ -207,16 +209,24 @@ class _Server:
         req.check_supported()
         self._check_model(req.model)
         self._ready_engine()
+        scored = req.echo and req.logprobs is not None
+        if scored and not self.engine.scores_prompts:
+            raise invalid("echo together with logprobs (the prompt tokens' log-probabilities) "
+                          "needs a server started with --batching dynamic: transformers' paged "
+                          "continuous batching cannot score a prompt; send echo or logprobs "
+                          "alone", "echo", "unsupported_echo_logprobs")
         jobs = []
         for p, prompt in enumerate(req.prompts()):
             ids = self._prompt_ids(prompt)
             max_tokens = self._budget(ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
-            echo = ""
+            echo, echo_logprobs = "", ()
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
                     ids, skip_special_tokens=False)
-            jobs += [_Job(p * req.n + j, ids, max_tokens, self._sampling(req, j), echo)
-                     for j in range(req.n)]
+            if scored:
+                echo_logprobs = await self._prompt_logprobs(ids, req.logprobs)
+            jobs += [_Job(p * req.n + j, ids, max_tokens, self._sampling(req, j), echo,
+                          echo_logprobs) for j in range(req.n)]
         return await self._respond(request, "/v1/completions", req, jobs, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -271,7 +281,8 @@ class _Server:
                 choice["text"] = job.echo + text
             if job.sampling.logprobs is not None:
                 choice["logprobs"] = self._logprobs(last.logprobs, chat=chat,
-                                                    offset=len(job.echo))
+                                                    offset=len(job.echo),
+                                                    prefix=job.echo_logprobs)
             if req.return_token_ids:
                 choice["token_ids"] = list(last.token_ids)
             choices.append(choice)
@@ -290,6 +301,16 @@ class _Server:
 
     # -------------------------------------------------------------------------- logprobs
 
+    async def _prompt_logprobs(self, ids: list[int], top: int) -> tuple:
+        try:
+            records = await self.engine.prompt_logprobs(ids, top)
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        except EngineError as exc:
+            raise APIError(500, f"scoring the prompt failed: {exc}", type="server_error") from None
+        first = [(ids[0], None, None)]
+        return tuple(first + [(r.token, r.logprob, r.top) for r in records[1:]])
+
     def _text_of(self, token: int) -> str:
         text = self._token_text.get(token)
         if text is None:
@@ -299,8 +320,9 @@ class _Server:
                 self._token_text[token] = text
         return text
 
-    def _logprobs(self, records, *, chat: bool, offset: int = 0) -> dict:
-        """``records`` in OpenAI's shape: chat's ``content`` list, or completions' four lists."""
+    def _logprobs(self, records, *, chat: bool, offset: int = 0, prefix: tuple = ()) -> dict:
+        """``records`` in OpenAI's shape: chat's ``content`` list, or completions' four lists
+        (after ``prefix``: echoed prompt entries, whose offsets start at 0)."""
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 text = self._text_of(token)
@@ -309,13 +331,17 @@ class _Server:
             return {"content": [{**entry(r.token, r.logprob),
                                  "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                                 for r in records], "refusal": None}
-        tokens, offsets = [], []
-        for r in records:
-            offsets.append(offset)
-            tokens.append(self._text_of(r.token))
-            offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self._text_of(t): lp for t, lp in r.top} for r in records],
+        entries = [*prefix, *((r.token, r.logprob, r.top) for r in records)]
+        tokens, offsets, at = [], [], 0
+        for i, (token, _, _) in enumerate(entries):
+            if i == len(prefix):
+                at = offset  # the generated text starts after the echoed prompt
+            offsets.append(at)
+            tokens.append(self._text_of(token))
+            at += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else {self._text_of(t): v for t, v in top}
+                                 for _, _, top in entries],
                 "text_offset": offsets}
 
     def _account(self, route: str, request: Request, job: _Job, last: Delta | None,
@@ -368,7 +394,9 @@ class _Server:
                     if chat:
                         yield chunk([choice(job, None, None, first=True)])
                     elif job.echo:
-                        yield chunk([choice(job, job.echo, None)])
+                        logprobs = (self._logprobs((), chat=False, prefix=job.echo_logprobs)
+                                    if job.echo_logprobs else None)
+                        yield chunk([choice(job, job.echo, None, logprobs=logprobs)])
                 async for index, delta in merged:
                     job = by_index[index]
                     start, end = sent[index], len(delta.token_ids)

@@ -127,9 +127,20 @@ class _Output:
     generated_tokens: list[int]
     finished: bool = False
     error: str | None = None
+    # a scoring request's answer: per prompt position after the first, (token, logprob, top)
+    prompt_logprobs: list | None = None
 
     def is_finished(self) -> bool:
         return self.finished
+
+
+@attrs.frozen
+class _Scoring:
+    """A prompt whose tokens' log-probabilities are asked for (no generation)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    top: int
 
 
 @attrs.define
@@ -174,6 +185,7 @@ class CacheBatcher:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._incoming: queue.Queue[_Request] = queue.Queue()
         self._deferred: _Request | None = None  # waiting for room in the cache
+        self._scorings: queue.Queue[_Scoring] = queue.Queue()
         self._cancelled: set[str] = set()
         self._live: set[str] = set()  # queued or running requests
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
@@ -201,6 +213,15 @@ class CacheBatcher:
             self._live.add(request_id)
         self._incoming.put(_Request(request_id, list(input_ids), max(1, int(max_new_tokens)),
                                     frozenset(eos), logit_processor_kwargs.get(SLOT_KWARG, GREEDY)))
+        return request_id
+
+    def add_scoring(self, input_ids: Sequence[int], request_id: str, top: int) -> str | None:
+        """Ask for the log-probability of every prompt token after the first (and ``top``
+        alternatives): one forward over the prompt between two decode steps. The result handler
+        gets one finished output with ``prompt_logprobs``."""
+        if not self.is_running():
+            return None
+        self._scorings.put(_Scoring(request_id, tuple(input_ids), top))
         return request_id
 
     def cancel_request(self, request_id: str) -> None:
@@ -251,6 +272,7 @@ class CacheBatcher:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     self._drop_cancelled()
+                    self._score_waiting()
                     new = self._admit()
                     if not new and not self._rows:
                         continue
@@ -267,6 +289,33 @@ class CacheBatcher:
         except BaseException as exc:  # pragma: no cover - the thread itself failed
             self.fatal_error = exc
             raise
+
+    def _score_waiting(self) -> None:
+        while True:
+            try:
+                item = self._scorings.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                entry = self._handlers.pop(item.request_id, None)
+            if entry is None:  # cancelled meanwhile
+                continue
+            out = _Output(item.request_id, [], finished=True)
+            try:
+                ids = torch.tensor([item.prompt], device=self._device)
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                targets = ids[0, 1:]
+                chosen = logp.gather(-1, targets[:, None])[:, 0].tolist()
+                tops = ([list(zip(i.tolist(), v.tolist())) for v, i in
+                         zip(*torch.topk(logp, min(item.top, logp.shape[-1]), dim=-1))]
+                        if item.top > 0 else [[] for _ in chosen])
+                out.prompt_logprobs = list(zip(targets.tolist(), chosen, tops))
+            except Exception as exc:
+                log.error("scoring a prompt failed: %s", exc, exc_info=True)
+                out.error = f"{type(exc).__name__}: {exc}"
+            callback, loop = entry
+            loop.call_soon_threadsafe(callback, out)
 
     def _admit(self) -> list[_Request]:
         room = self.max_batch_size - len(self._rows)

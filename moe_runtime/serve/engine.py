@@ -375,6 +375,32 @@ class Engine:
             except queue.Empty:
                 break
 
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether :meth:`prompt_logprobs` works: only the dynamic-cache batcher runs a plain
+        forward between its steps (transformers' continuous batching switches the model's
+        attention to its paged kernels, which a forward without the paged cache cannot use)."""
+        return isinstance(self._manager, CacheBatcher)
+
+    async def prompt_logprobs(self, prompt_ids: Sequence[int], top: int) -> list:
+        """``None`` for the first prompt token, then each one's :class:`TokenLogprob` given the
+        tokens before it (``top`` alternatives), from one forward over the prompt."""
+        manager = self._manager
+        if not self.healthy or not self.scores_prompts:
+            raise EngineUnavailable("prompt log-probabilities need the dynamic-cache batcher")
+        request_id = f"score-{uuid.uuid4().hex}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        manager.register_result_handler(request_id, outputs.put_nowait)
+        if manager.add_scoring(list(prompt_ids), request_id, top) is None:
+            raise EngineUnavailable("the generation engine is stopping")
+        try:
+            out = await outputs.get()
+        finally:
+            manager.cancel_request(request_id)
+        if out.error is not None:
+            raise EngineError(out.error)
+        return [None] + [TokenLogprob(t, lp, tuple(top_)) for t, lp, top_ in out.prompt_logprobs]
+
     async def complete(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),
                        request_id: str | None = None, _probe: bool = False) -> Delta:

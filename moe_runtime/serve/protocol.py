@@ -145,12 +145,6 @@ class CompletionRequest(_Request):
             raise invalid("best_of is not supported (only best_of equal to n)", "best_of")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            # OpenAI's answer would hold the prompt tokens' log-probabilities too, which this
-            # server does not compute: an answer without them would read as a wrong score
-            raise invalid("echo together with logprobs is not supported: the prompt tokens' "
-                          "log-probabilities are not computed; send echo or logprobs alone",
-                          "echo", "unsupported_echo_logprobs")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or token ids (a list of them: a batch)."""

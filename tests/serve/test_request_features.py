@@ -1,6 +1,7 @@
 """Request features of OpenAI's API beyond one plain completion, through the official client:
 ``n``, prompt lists, ``logprobs`` / ``top_logprobs``, ``echo``, presence and frequency penalties,
-``x-request-id``, and the clean refusals (JSON ``response_format``, echo with logprobs)."""
+``x-request-id``, echo with logprobs (prompt scoring, on the dynamic batcher), and the clean
+refusals (JSON ``response_format``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import httpx
 import openai
 import pytest
+
+from tests.serve.conftest import API_KEY
 
 
 def _completion(client, server, **kwargs):
@@ -119,11 +122,46 @@ def test_echo_puts_the_prompt_before_the_completion(client, server):
     assert streamed == echoed.choices[0].text
 
 
-def test_echo_with_logprobs_is_refused_clearly(client, server):
+def test_echo_with_logprobs_needs_the_dynamic_batcher(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         _completion(client, server, echo=True, logprobs=1)
     assert info.value.code == "unsupported_echo_logprobs"
-    assert "prompt tokens' log-probabilities" in info.value.message
+    assert "--batching dynamic" in info.value.message
+
+
+@pytest.fixture(scope="module")
+def dynamic(server_factory):
+    s = server_factory(["--batching", "dynamic"])
+    return s, openai.OpenAI(base_url=s.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_echo_with_logprobs_scores_the_prompt(dynamic):
+    server, client = dynamic
+    prompt = [5, 6, 7, 8, 9]
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=1,
+                                      temperature=0, logprobs=2,
+                                      extra_body={"return_token_ids": True})
+    [token] = first.choices[0].model_extra["token_ids"]
+    generated_logprob = first.choices[0].logprobs.token_logprobs[0]
+    # the prompt with that token appended, echoed and scored (as evaluation harnesses do)
+    scored = client.completions.create(model=server.model, prompt=prompt + [token], max_tokens=1,
+                                       temperature=0, logprobs=2, echo=True)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 2  # the echoed prompt and one new token
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    # keyed by token text, as OpenAI's shape is: two tokens of one text (say U+FFFD) make one key
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    # the appended token's score is the probability the model gave it when generating it
+    assert math.isclose(lp.token_logprobs[len(prompt)], generated_logprob, abs_tol=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    if "\ufffd" not in scored.choices[0].text:  # single bytes of a character decode to U+FFFD
+        assert "".join(lp.tokens) == scored.choices[0].text
+    chunks = list(client.completions.create(model=server.model, prompt=prompt + [token],
+                                            max_tokens=1, temperature=0, logprobs=2, echo=True,
+                                            stream=True))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
 
 
 def test_json_response_format_is_refused_in_openai_shape(client, server):
