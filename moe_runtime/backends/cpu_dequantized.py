@@ -29,12 +29,14 @@ import torch
 import torch.nn.functional as F_nn
 
 from moe_runtime import formats as F
+from moe_runtime.quant import fake_quantize_fp8
 from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
 
 COMPUTE_DTYPE = torch.float32
 # The dense path is taken while (tokens x local experts) x (multiply-adds of one expert on one
-# token) stays under this; above it the grouped path's routed-only work wins (measured on the
-# embedded default model and on 30B-shaped layers, benchmarks/RESULTS.md).
+# token) stays under this, about 85 tokens for the embedded default model's layers (8 experts,
+# hidden 64, intermediate 32), where the grouped path overtook it between 64 and 128 tokens.
+# Experts of real models exceed it at one token: they always take the grouped path.
 DENSE_MAX_MACS = 1 << 22
 
 _FORMATS = {f.name: f for f in F.BUILTIN_FORMATS}
@@ -78,21 +80,26 @@ class CpuDequantizedExperts(ExpertsBackend):
         self.act = _activation(weights.activation)
         e, i, h = weights.num_experts, weights.intermediate_size, weights.hidden_size
         self.num_experts, self.inter, self.hidden = e, i, h
+        self.dense_limit = DENSE_MAX_MACS // max(1, e * 3 * h * i)  # tokens the dense path takes
+        self.out_dtype = getattr(torch, setup.problem.dtype)
         w13, w2 = dequantize_expert_weights(weights, COMPUTE_DTYPE)  # exact, [E,2I,H], [E,H,I]
-        # Both paths read one copy: W13 as [H, E*2I] (dense: x @ w13_cat; grouped: the per-expert
-        # [H, 2I] views w13_t), W2 as [E*I, H] (dense: one product sums over experts; grouped: the
-        # per-expert [I, H] blocks w2_t).
-        self.w13_cat = w13.permute(2, 0, 1).reshape(h, e * 2 * i).contiguous()
-        self.w13_t = self.w13_cat.view(h, e, 2 * i).permute(1, 0, 2)
+        # Both paths read one copy. W2 as [E, I, H] (grouped: per-expert blocks w2_t; dense: the
+        # same memory as [E*I, H], one product that sums over experts). W13 as [E, H, 2I] where
+        # only the grouped path runs; where the dense path may run, as [H, E*2I] (dense: one
+        # x @ w13_cat) with the grouped path on per-expert strided views of it.
+        if self.dense_limit:
+            self.w13_cat = w13.permute(2, 0, 1).reshape(h, e * 2 * i).contiguous()
+            self.w13_t = self.w13_cat.view(h, e, 2 * i).permute(1, 0, 2)
+        else:
+            self.w13_cat = None
+            self.w13_t = w13.transpose(1, 2).contiguous()
         self.w2_t = w2.transpose(1, 2).contiguous()
         self.w2_cat = self.w2_t.view(e * i, h)
-        self.dense_limit = DENSE_MAX_MACS // max(1, e * 3 * h * i)  # tokens the dense path takes
 
     # ------------------------------------------------------------------------------ forward
 
     def forward(self, d: Dispatched) -> torch.Tensor:
-        out_dtype = d.out_dtype or (d.hidden.dtype if d.payload == F.UNQUANTIZED
-                                    else torch.bfloat16)
+        out_dtype = d.out_dtype or self.out_dtype
         x = self._input(d)
         if d.layout == F.TOKEN_MAJOR:
             n, k = d.topk_ids.shape
@@ -111,16 +118,12 @@ class CpuDequantizedExperts(ExpertsBackend):
             return d.hidden.to(COMPUTE_DTYPE) * d.hidden_scale.to(COMPUTE_DTYPE)
         x = d.hidden.to(COMPUTE_DTYPE)
         if self.fp8_scales is not None:
-            from moe_runtime.quant import fake_quantize_fp8
-
             x = fake_quantize_fp8(x, self.fp8_scales[0])
         return x
 
     def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         inter = self.act(gate) * up
         if self.fp8_scales is not None:
-            from moe_runtime.quant import fake_quantize_fp8
-
             inter = fake_quantize_fp8(inter, self.fp8_scales[1])
         return inter
 
