@@ -14,7 +14,7 @@ import torch
 
 from moe_runtime import formats as F
 from moe_runtime.backend_api import ExpertWeights
-from moe_runtime.tensors import CheckpointTensors, WeightError
+from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
 
 FP8 = torch.float8_e4m3fn
 F32 = torch.float32

@@ -59,15 +59,12 @@ from moe_runtime.checkpoint.quant_config import (
 )
 from moe_runtime.checkpoint.records import CheckpointError, MoELayerInfo
 from moe_runtime.checkpoint.resolution import canonical_name, resolve_module
-from moe_runtime.checkpoint.tensor_index import _MAX_HEADER, INDEX_FILE, TensorMeta
+from moe_runtime.checkpoint.tensors import _MAX_HEADER, DTYPE_SIZES, INDEX_FILE, TensorMeta
 
 # What each rule is about (a closed set: tests and --json readers key on it).
 RULES = ("folder", "json", "config", "routing", "quantization", "agreement", "group_size",
          "safetensors", "index", "modules", "tensors", "scales", "memory")
 
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
-               "I64": 8, "U64": 8, "F64": 8}
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
 # config.json sizes every supported architecture builds its model from
 _SIZE_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",

@@ -21,7 +21,7 @@ from moe_runtime.checkpoint.records import (
     MoELayerInfo,
 )
 from moe_runtime.checkpoint.resolution import canonical_name, resolve_module
-from moe_runtime.checkpoint.tensor_index import TensorMeta, read_tensor_index
+from moe_runtime.checkpoint.tensors import TensorMeta, read_tensor_index
 
 # The name shown to users for a checkpoint's top-level algorithm. Reported only.
 _METHODS = {

@@ -19,7 +19,7 @@ from typing import Callable
 import attrs
 import torch
 
-from moe_runtime.tensors import CheckpointTensors, WeightError
+from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
 
 EXPERTS_IMPLEMENTATION = "moe_runtime"
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_runtime.checkpoint import read_checkpoint
 from moe_runtime.methods import load_expert_weights
-from moe_runtime.tensors import CheckpointTensors, WeightError
+from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
 
 
 def _layer(path, i=0):
@@ -116,7 +116,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     import torch
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.methods import load_expert_weights
-    from moe_runtime.tensors import CheckpointTensors
+    from moe_runtime.checkpoint.tensors import CheckpointTensors
     path = sys.argv[1]
     ckpt = read_checkpoint(path)
     tensors = CheckpointTensors(path)
