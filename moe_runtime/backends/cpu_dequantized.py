@@ -14,8 +14,9 @@ then runs one of two paths, chosen from the batch's shape alone (no host round t
   and rows added back into token order with one ``index_add_``: the routed work only.
 
 float32, not the model's bfloat16, because a CPU without native bfloat16 dot products (AVX2, most
-AVX-512 parts) multiplies bfloat16 through conversions, measured here 3x to 30x slower than float32
-(benchmarks/RESULTS.md); the copy costs 4 bytes per weight, which the declaration's note states.
+AVX-512 parts) multiplies bfloat16 through conversions: 11x to 49x slower than float32 on one core
+of the AVX2 machine of benchmarks/RESULTS.md. The copy costs 4 bytes per weight, which the
+declaration's note states.
 
 A format that quantizes activations and is run as itself (``fp8_w8a8``) has them quantized and
 dequantized here exactly as the reference does (per tensor, with the checkpoint's input scales), so
