@@ -1,34 +1,8 @@
-"""``DeepEPComm``: moe-runtime's communication role on DeepEP's ``Buffer``.
+"""``DeepEPComm``: moe-runtime's communication backend on DeepEP's ``Buffer``, normal mode for
+the token-major layout and low-latency mode for the masked one.
 
-Imported only when the planner selects ``deepep``; ``deep_ep`` itself is imported only when no
-buffer is handed in (the tests hand in a simulation, see ``tests/simulated_deep_ep.py``).
-
-Mode per plan: a layer planned with the token-major layout runs DeepEP's normal kernels
-(``get_dispatch_layout`` + ``dispatch`` / ``combine``), one planned with the masked layout runs the
-low-latency kernels (``low_latency_dispatch`` / ``low_latency_combine``). What each returns, and
-how it maps onto :class:`moe_runtime.backend_api.Dispatched`:
-
-- normal ``dispatch`` returns ``recv_x`` (rows grouped by source rank, in source token order),
-  ``recv_topk_idx`` already rewritten to *local* expert ids with ``-1`` for experts elsewhere (the
-  kernel does ``idx - rank * experts_per_rank`` inside the rank's range, else ``-1``; weights of
-  ``-1`` entries are zeroed), ``recv_topk_weights`` and the per-local-expert counts as a Python
-  list.
-  That is the token-major ``Dispatched`` as it is; ``combine`` sums the weighted partial outputs
-  (bf16) back into the source ranks' token order.
-- ``low_latency_dispatch`` returns ``[E_local, M * ranks, H]``
-  (``M`` = ``num_max_dispatch_tokens_per_rank``) with ``recv_count`` per local expert: the masked
-  ``Dispatched`` with ``masked_m``.
-  ``low_latency_combine`` applies the routing weights itself (it takes ``topk_idx`` and
-  ``topk_weights`` of the *sending* rank), so the experts backend returns unweighted rows, as the
-  masked layout requires.
-
-Quantized payload: ``fp8`` in normal mode only. The rows are quantized here with the layer's own
-per-tensor input scale (``input_scale``, ModelOpt's ``input_scale`` of GEMM 1), handed to DeepEP as
-``(x_e4m3, scales)`` with ``scales`` the constant ``[N, H // 128]`` blocks of that scale, and
-delivered with ``hidden_scale = input_scale``.
-
-Nothing here has run on GPUs. The conversions were tested on CPU processes against the reference
-all-to-all through a simulation of DeepEP's outputs.
+Imported only when the planner selects ``deepep``; ``deep_ep`` itself only when no buffer is
+handed in. How DeepEP's outputs map onto ``Dispatched``: README.md, "Module notes".
 """
 
 from __future__ import annotations

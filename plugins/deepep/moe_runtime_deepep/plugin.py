@@ -1,30 +1,8 @@
 """The declaration of the ``deepep`` communication backend, and the hook that registers it.
 
-This module is the entry point (group ``moe_runtime``, name ``deepep``). It imports the declaration
-vocabulary of moe-runtime and this package's pure-Python modules: no torch, no ``deep_ep``. The
-backend class is named by the lazy factory string and imported only when the planner selects it.
-
-What is declared, and why (numbers in :mod:`moe_runtime_deepep.limits`, sources in README.md):
-
-- **low_latency** (listed first: preferred when the deployment's batch fits its bound): produces
-  the masked layout ``[local_experts, max_tokens_per_rank * ranks, hidden]`` with ``masked_m``;
-  carries **unquantized** (bf16) payloads only. DeepEP's low-latency FP8 (``use_fp8=True``, and
-  the only mode of 1.0.0) quantizes each token dynamically with one float32 scale per 128 hidden
-  channels (column-major scales): not the ``fp8`` payload of the vocabulary (float8 with the
-  layer's own per-tensor input scale), so it is not declared. NVFP4 dispatch exists only in the
-  sgl-project fork (``use_nvfp4`` with ``x_global_scale``), in a CuTe-DSL-specific swizzled layout
-  that the core's ``nvfp4`` payload does not describe: not declared either. The per-rank token
-  bound is declared (``MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK``, default 128). Group sizes:
-  2-7 and multiples of 8 up to 64 (``Buffer`` asserts ranks < 8 or a multiple of 8).
-- **normal**: produces the token-major layout (received tokens, local top-k ids with -1, weights,
-  per-expert counts); carries **unquantized** and **fp8** (the dispatch takes an ``(e4m3, scales)``
-  pair; here the values are quantized with the layer's own input scale, and the scales DeepEP
-  carries are that scale). Intranode only: group sizes exactly 2, 4 and 8 (``SWITCH_RANKS``).
-- Both: CUDA, compute capability 9.0 or newer, ``deep_ep`` (and torch) importable.
-
-Limits the vocabulary cannot express (bf16 activations only, ``num_experts % ranks == 0``, the
-low-latency hidden sizes and top-k <= 9) are checked by the backend when it is built, with a
-sentence naming the limit.
+The entry point (group ``moe_runtime``, name ``deepep``): no torch, no ``deep_ep``; the backend
+class is imported only when the planner selects it. Why each mode declares what it does:
+README.md, "What is declared" and "Module notes".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """The plugin's settings: environment variables, validated when read, the same on every rank.
 
-Pure Python. The declared low-latency token bound is read when the plugin registers (so the planner
-sees it); the run-time policies are read again when a backend is built. Every rank of an
-expert-parallel group must see the same values, as DeepEP requires of
-``num_max_dispatch_tokens_per_rank``.
-
-=========================================  =========  =============================================
-variable                                   default    meaning
-=========================================  =========  =============================================
-``MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_    128        the low-latency mode's declared per-rank
-RANK``                                                token bound (DeepEP's
-                                                      ``num_max_dispatch_tokens_per_rank``)
-``MOE_RUNTIME_DEEPEP_LL_OVERSIZE``         refuse     a low-latency batch above the plan's bound:
-                                                      ``refuse`` (every rank raises the same
-                                                      error) or ``split`` (every rank runs the
-                                                      same number of bounded rounds)
-``MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH``      1          all-reduce the batch size over the group
-                                                      before a low-latency dispatch, so that every
-                                                      rank refuses or splits alike (a host sync);
-                                                      ``0`` trusts the caller to keep the bound
-``MOE_RUNTIME_DEEPEP_NUM_SMS``             unset      ``Buffer.set_num_sms`` for normal kernels
-``MOE_RUNTIME_DEEPEP_ALLOW_NVLINK_LL``     unset      ``allow_nvlink_for_low_latency_mode`` where
-                                                      the installed ``Buffer`` takes it
-``MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES``     DeepEP's   comma list of hidden sizes the installed
-                                           list       build's low-latency kernels support
-=========================================  =========  =============================================
+Pure Python. The declared low-latency token bound is read when the plugin registers; the run-time
+policies when a backend is built. The variables are listed in README.md, "Settings".
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
 """The declaration of the ``flashinfer_cutedsl`` experts backend, and the hook that registers it.
 
-This module is the entry point (group ``moe_runtime``, name ``flashinfer_cutedsl``). It imports the
-declaration vocabulary of moe-runtime and nothing else: no torch, no FlashInfer, no CuTe DSL. The
-kernel class is named by the lazy factory string and imported only when the planner selects it.
-
-Every claim below was read from FlashInfer's source (flashinfer-python 0.7.0 and 0.7.4 wheels, same
-APIs in both; the README lists the files):
-
-- ``CuteDslMoEWrapper`` (token-major, with its own routing sort and finalize) takes
-  ``quant_mode="w4a4"`` (packed NVFP4 activations, quantized here with ``fp4_quantize``) or
-  ``quant_mode="w4a16"`` (bf16 activations against online-decoded NVFP4 weights, its own W4A16
-  runner): both modes are real, so both NVFP4 formats are declared on the token-major layout.
-- The masked path is ``grouped_gemm_nt_masked`` twice, with ``scaled_fp4_grouped_quantize`` before
-  GEMM 1 and ``silu_and_mul_scaled_nvfp4_experts_quantize`` between the GEMMs: both operands of the
-  masked GEMM are FP4, so the masked layout is declared for W4A4 only, and it also accepts
-  activations already quantized to NVFP4 by the dispatch (they skip the first quantizer).
-- The fused activation between the GEMMs is SiLU-and-mul on the masked path; the wrapper's default
-  ``ActivationType.Swiglu`` with alpha 1, beta 0 and no limit is the same ``silu(gate) * up``.
-  Only ``silu`` is declared: the masked path has no other activation.
-- ``CuteDslMoEWrapper.__init__`` carries ``@supported_compute_capability([100, 103, 107])`` (an
-  annotation, not a check), ``grouped_gemm_nt_masked`` routes 10.0/10.3 to the Blackwell kernel and
-  10.7 to the Rubin one and refuses 11.0. The FP4 quantizers have no guard at all: their CUDA body
-  is compiled only for ``__CUDA_ARCH__ >= 1000`` and on 9.0 they return uninitialised memory
-  without raising. Hence exactly 10.0, 10.3 and 10.7, and a hard guard in the backend.
-- ``flashinfer.cute_dsl.is_cute_dsl_available()`` probes ``cutlass`` and ``cutlass.cute``: the
-  CuTe DSL (PyPI ``nvidia-cutlass-dsl``) is imported as ``cutlass``.
-- Shapes: GEMM 1's epilogue takes the up/gate rows in 64-row chunks and its N tile is 128 or 256
-  (``is_valid_mma_tiler_and_cluster_shape``: "SwiGlu Fusion requires even epi_tile counts") with
-  ``n % mma_tiler_n == 0`` for ``n = 2 * intermediate``: intermediate must be a multiple of 64.
-  FP4 operands need 16-byte aligned rows (``check_contigous_16B_alignment``): hidden a multiple of
-  32. One multiple covers both sizes in the declaration, so it is 64.
+The entry point (group ``moe_runtime``, name ``flashinfer_cutedsl``): no torch, no FlashInfer, no
+CuTe DSL; the kernel class is imported only when the planner selects it. What FlashInfer's source
+says about each declared claim: README.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
-"""Triton kernels of the fused MoE experts path (written for moe-runtime).
+"""Triton kernels of the fused MoE experts path: routing, GEMM 1 with the fused activation,
+GEMM 2, finalize (and a two-kernel decode path for a few pairs).
 
-Pipeline of one forward (token-major layout, ``P = N * topk`` (token, expert) pairs):
-
-1. **Routing** (``route_small_kernel`` in one program, or ``route_count_kernel`` ->
-   ``route_offsets_kernel`` -> ``route_scatter_kernel`` for large ``P``): per-expert counts,
-   each expert's rows padded to ``BLOCK_M``, ``sorted_ids[row] = pair`` (``P`` marks padding),
-   ``expert_ends[e]`` = end row of expert ``e`` (cumulative, padded). Pairs whose expert id is
-   outside ``[0, E)`` (``-1`` = expert on another rank) are skipped. The row buffer is sized from
-   the upper bound ``(cdiv(P, BLOCK_M) + min(E, P)) * BLOCK_M``, so nothing depends on data and the
-   whole path is CUDA-graph capturable.
-2. **GEMM 1** (``moe_gemm1_kernel``): one program per (row block, intermediate block). It finds its
-   expert from ``expert_ends``, gathers token rows of ``hidden`` through ``sorted_ids``, multiplies
-   by the gate rows ``n`` and the up rows ``I + n`` of ``w13[e]`` (two accumulators), applies the
-   scales and ``act(gate) * up`` in the epilogue and stores the intermediate in sorted row order
-   (fp8 for W8A8, quantized with ``a2_scale``).
-3. **GEMM 2** (``moe_gemm2_kernel``): rows of the intermediate times ``w2[e]``, scaled, times the
-   routing weight, stored per pair into ``y[P, H]``.
-4. **Finalize** (``moe_finalize_kernel``): ``out[t] = sum_k y[t * topk + k]`` over valid ``k`` in a
-   fixed order (deterministic), in float32, cast to the output dtype.
-
-Weight formats (``WFMT``): 0 = 16-bit (bf16/fp16/fp32 as the activations), 1 = FP8 e4m3 with
-per-row float32 scales, 2 = NVFP4 (E2M1 codes in the bit layout of ``NVFP4_GROUP_FIELDS``, e4m3
-block scales of 16, per-expert ``scale_2``), dequantized in the main loop to float16 (activations
-are converted to float16 for the MMA, the intermediate is float16); the weights stay 4-bit in memory.
-
-For a few pairs a two-kernel decode path replaces steps 1-4 (see "Decode path" below); the masked
-layout (rows already grouped per expert) runs steps 2-3 after ``route_masked_kernel``.
+Nothing depends on data sizes on the host, so the path is CUDA-graph capturable. The pipeline and
+the weight encodings are described in README.md, "Module notes".
 """
 
 from __future__ import annotations
