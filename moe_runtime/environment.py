@@ -59,6 +59,15 @@ class Environment:
         }
 
     @classmethod
+    def from_json(cls, data: dict) -> Environment:
+        """The inverse of :meth:`to_json` (its ``fingerprint`` is recomputed, not read)."""
+        from moe_runtime.declarations import parse_capability
+
+        cap = data.get("capability")
+        return cls(data["device"], parse_capability(cap) if cap else None,
+                   data.get("available"), data.get("name", ""))
+
+    @classmethod
     def probe(cls, *, device: str | None = None, modules=()) -> Environment:
         """Look at this machine once: the torch device and which of ``modules`` are importable."""
         import torch

@@ -62,6 +62,11 @@ class Rejection:
             "message": self.message,
         }
 
+    @classmethod
+    def from_json(cls, data: dict) -> Rejection:
+        return cls(data["layer"], data["role"], data["backend"], Reason(data["reason"]),
+                   data["message"])
+
 
 @attrs.frozen
 class ModeChoice:
@@ -78,6 +83,11 @@ class ModeChoice:
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModeChoice:
+        return cls(data["comm_mode"], data["layout"], data["payload"],
+                   data.get("max_tokens_per_rank"))
 
 
 @attrs.frozen
@@ -126,11 +136,31 @@ class LayerPlan:
             "notes": list(self.notes),
             "alternatives": list(self.alternatives),
             "modes": [m.to_json() for m in self.modes],
+            "problem": attrs.asdict(self.problem),
         }
+
+    @classmethod
+    def from_json(cls, data: dict) -> LayerPlan:
+        """The inverse of :meth:`to_json` (``problem`` holds the layer's sizes)."""
+        return cls(
+            problem=LayerProblem(**data["problem"]), experts=data["experts"],
+            comm=data["communication"], comm_mode=data["communication_mode"],
+            layout=data["layout"], payload=data["payload"], runs_as=data["runs_as"],
+            degradations=tuple(data.get("degradations", ())), notes=tuple(data.get("notes", ())),
+            alternatives=tuple(data.get("alternatives", ())),
+            modes=tuple(ModeChoice.from_json(m) for m in data.get("modes", ())),
+        )
 
 
 @attrs.frozen
 class Plan:
+    """The decisions for every MoE layer, the rejections on the way, and what they were made for.
+
+    One value from ``moe-runtime plan --json`` to ``load_model(path, plan=...)`` and the executor:
+    :meth:`to_json` and :meth:`from_json` are inverses (``Plan.from_json(p.to_json()) == p``), and
+    ``from_json`` also reads the output of ``moe-runtime plan --json`` (extra keys are ignored).
+    """
+
     layers: tuple[LayerPlan, ...]
     rejections: tuple[Rejection, ...]
     environment: Environment
@@ -149,6 +179,21 @@ class Plan:
             "layers": [lp.to_json() for lp in self.layers],
             "rejections": [r.to_json() for r in self.rejections],
         }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        """A plan from :meth:`to_json`'s output; a :class:`PlanError` names what is missing."""
+        try:
+            return cls(
+                layers=tuple(LayerPlan.from_json(lp) for lp in data["layers"]),
+                rejections=tuple(Rejection.from_json(r) for r in data.get("rejections", ())),
+                environment=Environment.from_json(data["environment"]),
+                deployment=Deployment(**data["deployment"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(
+                f"not a moe-runtime plan ({type(exc).__name__}: {exc}); write one with "
+                "`moe-runtime plan CHECKPOINT --json` or Plan.to_json()") from None
 
 
 class PlanError(ValueError):

@@ -136,12 +136,16 @@ def load_model(
     group=None,
     progress: Callable | bool = False,
     agreement_timeout: float = 120.0,
+    plan=None,
 ) -> LoadedModel:
     """Load a local checkpoint as a transformers model whose MoE layers run through moe-runtime.
 
     The plan is made (and a refusal raised) before any weight is read. With
     ``dequantize_experts=True`` no plan is made: the experts are dequantized into transformers' own
-    parameters (the "transformers with ModelOpt-dequantized weights" reference).
+    parameters (the "transformers with ModelOpt-dequantized weights" reference). With ``plan`` (a
+    :class:`~moe_runtime.planner.Plan`, or its JSON, e.g. the output of ``moe-runtime plan
+    --json``) nothing is planned here: the plan must be of this checkpoint's MoE layers, its
+    backends registered, and its deployment is the default one.
 
     Under expert parallelism (``ep_size > 1`` and ``torch.distributed`` initialised) the ranks of
     ``group`` compare their plans before any weight is read (:func:`moe_runtime.agreement.
@@ -157,10 +161,14 @@ def load_model(
     from moe_runtime.manager import Registry
     from moe_runtime.methods import load_expert_weights
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
-    from moe_runtime.planner import Deployment, plan_model
+    from moe_runtime.planner import Deployment, Plan, plan_model
     from moe_runtime.reference_math import dequantize_expert_weights
 
     model_dir = Path(model_dir)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    if plan is not None and deployment is None:
+        deployment = plan.deployment
     require_sound_checkpoint(model_dir, device=device,  # every finding, before any allocation
                              ep_size=ep_size or getattr(deployment, "ep_size", 1))
     ckpt = read_checkpoint(model_dir)
@@ -173,13 +181,15 @@ def load_model(
     deployment = deployment or Deployment()
     if ep_size is None:
         ep_size = deployment.ep_size
-    plan = None
+    given, plan = plan, None
     if not dequantize_experts:
         registry = registry or Registry.load()
-        if environment is None:
+        if environment is None and given is None:
             environment = Environment.probe(device=device, modules=registry.required_modules())
 
         def make_plan():
+            if given is not None:
+                return check_given_plan(given, problems_from_checkpoint(ckpt), registry)
             return plan_model(problems_from_checkpoint(ckpt), registry=registry,
                               environment=environment, deployment=deployment)
 
@@ -261,6 +271,30 @@ def load_model(
     tensors.close()
     model.eval()
     return LoadedModel(model, ckpt, plan, linears, dtype, device)
+
+
+def check_given_plan(plan, problems, registry):
+    """``plan`` if it was made for exactly these layer problems with registered backends, else a
+    :class:`~moe_runtime.planner.PlanError` naming the first layer or backend that differs."""
+    from moe_runtime.planner import PlanError
+
+    planned = {lp.problem.name: lp for lp in plan.layers}
+    names = [p.name for p in problems]
+    if sorted(planned) != sorted(names):
+        raise PlanError(
+            f"the plan is of MoE layers {sorted(planned)[:3]}...; this checkpoint has "
+            f"{sorted(names)[:3]}... ({len(planned)} vs {len(names)} layers): re-plan it")
+    for p in problems:
+        lp = planned[p.name]
+        if lp.problem != p:
+            raise PlanError(f"layer {p.name}: the plan was made for {lp.problem}, this checkpoint "
+                            f"has {p}: re-plan it")
+        for name, table, role in ((lp.experts, registry.experts, "experts"),
+                                  (lp.comm, registry.comms, "communication")):
+            if name not in table:
+                raise PlanError(f"layer {p.name}: the plan's {role} backend {name!r} is not "
+                                f"registered here; registered: {', '.join(sorted(table))}")
+    return plan
 
 
 class _NoBar:
