@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F_nn
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
 from moe_runtime.quant import fake_quantize_fp8
-from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
 
 COMPUTE_DTYPE = torch.float32
 # The dense path is taken while (tokens x local experts) x (multiply-adds of one expert on one

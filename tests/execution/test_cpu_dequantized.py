@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.backends import cpu_dequantized
 from moe_runtime.backends.cpu_dequantized import CpuDequantizedExperts
 from moe_runtime.builtin import CPU_DEQUANTIZED
@@ -17,7 +18,6 @@ from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, plan_model
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
-from moe_runtime.runtime import Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.testing.cases import experts_cases
 from moe_runtime.testing.harness import run_experts_case
 
