@@ -25,10 +25,10 @@ from typing import Any
 import attrs
 
 from moe_runtime import formats
+from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name
 from moe_runtime.placement import local_experts
 
 GiB = 1 << 30
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _BYTES_PER_WEIGHT = {f.name: f.bytes_per_weight for f in formats.BUILTIN_FORMATS}
 # The server's scheduler batches at most this many tokens per forward (serve/engine.py).
 MAX_BATCH_TOKENS = 2048
@@ -153,7 +153,7 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
     """
     f = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     dtype = str(config.get("dtype") or config.get("torch_dtype") or f.get("dtype") or "bfloat16")
-    dbytes = _DTYPE_BYTES.get(dtype.replace("torch.", ""), 2)
+    dbytes = MODEL_DTYPES[model_dtype_name(dtype)]
     hidden = _int(f, "hidden_size")
     vocab = _int(f, "vocab_size")
     layers = _int(f, "num_hidden_layers")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from moe_runtime.backend_api import LayerProblem
-
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16"}
+from moe_runtime.dtypes import model_dtype_name
 
 
 def problems_from_checkpoint(ckpt) -> list[LayerProblem]:
     """One :class:`LayerProblem` per MoE layer of a ``CheckpointInfo``."""
-    dtype = _DTYPES.get(str(ckpt.dtype or "bfloat16").replace("torch.", ""), "bfloat16")
+    dtype = model_dtype_name(ckpt.dtype)
     return [
         LayerProblem(
             name=layer.name,

@@ -20,10 +20,10 @@ import attrs
 import torch
 
 from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
+from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name, torch_dtype
 
 EXPERTS_IMPLEMENTATION = "moe_runtime"
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -156,11 +156,11 @@ def load_model(
 
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.checkpoint.check import require_sound_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.executor import build_executor
     from moe_runtime.manager import Registry
     from moe_runtime.methods import load_expert_weights
-    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.planner import Deployment, Plan, plan_model
     from moe_runtime.reference_math import dequantize_expert_weights
 
@@ -173,11 +173,12 @@ def load_model(
                              ep_size=ep_size or getattr(deployment, "ep_size", 1))
     ckpt = read_checkpoint(model_dir)
     if dtype is None:
-        dtype = _DTYPES.get(str(ckpt.dtype or "bfloat16").replace("torch.", ""), torch.bfloat16)
+        dtype = torch_dtype(model_dtype_name(ckpt.dtype))
     elif isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; use one of {sorted(MODEL_DTYPES)}")
+        dtype = torch_dtype(dtype)
     deployment = deployment or Deployment()
     if ep_size is None:
         ep_size = deployment.ep_size

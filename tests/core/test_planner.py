@@ -16,10 +16,10 @@ from moe_runtime import (
     Support,
     hookimpl,
 )
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
-from moe_runtime.backend_api import LayerProblem
 
 SM100 = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange.exactly("10.0"),
                                                       CapabilityRange.exactly("10.3")])
@@ -389,3 +389,11 @@ def test_the_placement_rule_is_written_once():
                        r"(?:self\.)?(?:world|ep_size)")
     offenders = [str(p.relative_to(root)) for p in sources if split.search(p.read_text())]
     assert offenders == [], offenders
+
+
+def test_model_dtype_names_are_read_through_one_table():
+    from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name
+
+    assert model_dtype_name("torch.float16") == model_dtype_name("half") == "float16"
+    assert model_dtype_name(None) == model_dtype_name("float64") == "bfloat16"
+    assert MODEL_DTYPES[model_dtype_name("float32")] == 4
