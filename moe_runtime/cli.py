@@ -127,8 +127,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_plan(args, checkpoint, registry):
     """Plan ``checkpoint`` (a CheckpointInfo) for the options in ``args``."""
-    from moe_runtime.environment import Environment
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
+    from moe_runtime.environment import Environment
     from moe_runtime.planner import Deployment, plan_model
 
     if args.ep_size < 1:

@@ -16,8 +16,8 @@ import attrs
 from moe_runtime import formats as F
 
 if TYPE_CHECKING:  # records only: no import cycle at run time
-    from moe_runtime.environment import Environment
     from moe_runtime.backend_api import LayerProblem
+    from moe_runtime.environment import Environment
 
 
 def _fs(items: Iterable[str] | str) -> frozenset[str]:

@@ -10,11 +10,11 @@ from typing import Callable
 
 import torch
 
+from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights
 from moe_runtime.declarations import load_factory
 from moe_runtime.manager import Registry
 from moe_runtime.planner import LayerPlan
 from moe_runtime.router import RouterConfig, route
-from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights
 
 
 class MoEExecutor:

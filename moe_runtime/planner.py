@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import attrs
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime.declarations import (
     CommBackendSpec,
     CommSupport,
@@ -22,7 +23,6 @@ from moe_runtime.declarations import (
 )
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
-from moe_runtime.backend_api import LayerProblem
 
 
 @attrs.frozen

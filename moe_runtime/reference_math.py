@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_runtime import formats
+from moe_runtime.backend_api import ExpertWeights
 from moe_runtime.quant import (
     dequantize_fp8,
     dequantize_nvfp4,
@@ -32,7 +33,6 @@ from moe_runtime.quant import (
     quantize_fp8_per_tensor,
     quantize_nvfp4,
 )
-from moe_runtime.backend_api import ExpertWeights
 
 __all__ = [
     "dequantize_expert_weights",

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from moe_runtime import formats as F
-from moe_runtime.placement import owner_table
 from moe_runtime.backend_api import CommBackend, Dispatched
+from moe_runtime.placement import owner_table
 
 
 @attrs.frozen

@@ -10,11 +10,11 @@ import attrs
 import torch
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import CommSetup, Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.declarations import load_factory
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, PlanError, plan_layer
-from moe_runtime.backend_api import CommSetup, Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.testing.cases import CommCase, ExpertsCase, Shape, TokenBoundCase, case_seed
 
 KERNEL_MODULES = ("triton", "flashinfer", "deep_ep", "cutlass", "deep_gemm")

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_runtime.checkpoint import read_checkpoint
-from moe_runtime.methods import load_expert_weights
 from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
+from moe_runtime.methods import load_expert_weights
 
 
 def _layer(path, i=0):

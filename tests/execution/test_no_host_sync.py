@@ -83,12 +83,12 @@ def _counting_host_copies(paths):
 def _worker(rank, world, port, queue):
     import torch.distributed as dist
 
+    from moe_runtime.backend_api import ExpertsSetup, LayerProblem
     from moe_runtime.environment import Environment
     from moe_runtime.executor import MoELayer, build_executor
     from moe_runtime.planner import Deployment, plan_layer
     from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
     from moe_runtime.router import RouterConfig, route
-    from moe_runtime.backend_api import ExpertsSetup, LayerProblem
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

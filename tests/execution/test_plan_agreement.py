@@ -56,10 +56,10 @@ def _plan_directly(site):
     """A plan of two layers with the plugins installed here plus the probe found in ``site``."""
     import sys
 
+    from moe_runtime.backend_api import LayerProblem
     from moe_runtime.environment import Environment
     from moe_runtime.manager import Registry
     from moe_runtime.planner import Deployment, plan_model
-    from moe_runtime.backend_api import LayerProblem
 
     sys.path.insert(0, site)
     registry = Registry.load(blocked=["humming"], environ={})

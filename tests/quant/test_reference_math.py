@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from moe_runtime.backend_api import ExpertWeights
 from moe_runtime.reference_math import (
     dequantize_expert_weights,
     quantize_expert_weights,
     reference_fused_experts,
     reference_masked_experts,
 )
-from moe_runtime.backend_api import ExpertWeights
 
 FORMATS = ["bf16", "fp16", "fp8_w8a8", "nvfp4_w4a4", "nvfp4_w4a16"]
 TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]

@@ -12,8 +12,8 @@ from typing import Any
 import attrs
 import torch
 from moe_runtime import formats as F
-from moe_runtime.placement import local_experts
 from moe_runtime.backend_api import CommBackend, Dispatched
+from moe_runtime.placement import local_experts
 
 from moe_runtime_deepep import layout as L
 from moe_runtime_deepep import limits

@@ -13,10 +13,10 @@ import deepep_sim
 import torch
 import torch.distributed as dist
 from moe_runtime import formats as F
+from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights, LayerProblem
 from moe_runtime.backends.all_to_all import TorchAllToAll
 from moe_runtime.backends.local import LocalComm
 from moe_runtime.backends.reference import ReferenceExperts
-from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights, LayerProblem
 
 from moe_runtime_deepep import layout as L
 from moe_runtime_deepep.backend import DeepEPComm, DeepEPError, DeepEPTokenBoundError

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.declarations import format_capability
 from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertsSetup, ExpertWeights
+from moe_runtime.declarations import format_capability
 from moe_runtime_flashinfer_cutedsl import plugin
 from moe_runtime_flashinfer_cutedsl.weights import (
     GATE_UP,

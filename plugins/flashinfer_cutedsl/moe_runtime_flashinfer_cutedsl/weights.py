@@ -1,8 +1,8 @@
 """Weight preparation for FlashInfer's CuTe-DSL NVFP4 MoE, done once at load, in plain torch.
 
-Input: :class:`moe_runtime.backend_api.ExpertWeights` in the checkpoint's NVFP4 layout (``w13`` uint8
-``[E, 2I, H/2]`` with gate rows first, then up; e4m3 block scales ``[E, 2I, H/16]``; per-expert
-``weight_scale_2`` ``[E]``; the layer's 0-dim ``input_scale`` per GEMM). Output: a
+Input: :class:`moe_runtime.backend_api.ExpertWeights` in the checkpoint's NVFP4 layout (``w13``
+uint8 ``[E, 2I, H/2]`` with gate rows first, then up; e4m3 block scales ``[E, 2I, H/16]``;
+per-expert ``weight_scale_2`` ``[E]``; the layer's 0-dim ``input_scale`` per GEMM). Output: a
 :class:`PreparedExperts` holding exactly the tensors the kernels take. Each step is a function
 of its own so that the tests can hold it against a plain statement of the target layout:
 

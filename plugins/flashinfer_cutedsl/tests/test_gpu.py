@@ -21,11 +21,11 @@ import torch
 
 from moe_runtime import CommBackendSpec, CommSupport, Hardware, hookimpl
 from moe_runtime import formats as F
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.executor import build_executor
 from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, plan_layer
-from moe_runtime.backend_api import LayerProblem
 from moe_runtime_flashinfer_cutedsl import plugin
 
 from cutedsl_helpers import blackwell_kernels_here, make_nvfp4_weights
@@ -103,8 +103,8 @@ def test_moe_layer_matches_the_reference_backend(registry, environment, fmt, com
 def test_masked_nvfp4_payload_matches_the_16bit_payload(registry, environment):
     """Activations quantized before dispatch (moe-runtime's NVFP4 codec, the layer's input scale
     as global scale) give what the backend's own grouped quantizer gives."""
-    from moe_runtime.quant.nvfp4 import quantize_nvfp4
     from moe_runtime.backend_api import ExpertsSetup
+    from moe_runtime.quant.nvfp4 import quantize_nvfp4
     from moe_runtime_flashinfer_cutedsl.backend import CuteDslExperts
 
     s = QWEN3_30B

@@ -14,13 +14,13 @@ import pytest
 import torch
 from moe_runtime_triton import ops
 
+from moe_runtime.backend_api import ExpertWeights
 from moe_runtime.quant import (
     dequantize_fp8,
     fp8_scale_from_amax,
     quantize_fp8_per_tensor,
 )
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
-from moe_runtime.backend_api import ExpertWeights
 
 # bf16: on GPUs the output itself is rounded to bf16 (about 2e-3 relative); on CPU the "bf16"
 # layer runs in float32

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.manager import Registry
-from moe_runtime.backend_api import LayerProblem
 from moe_runtime.testing.suite import *  # noqa: F401,F403
 
 MOE_CONFORMANCE_BACKENDS = ["triton"]
