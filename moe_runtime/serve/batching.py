@@ -234,7 +234,8 @@ class CacheBatcher:
     def pending(self) -> dict[str, int]:
         """What the batcher still holds: running rows, queued requests, handlers, cancellations."""
         with self._lock:
-            return {"running": len(self._rows), "queued": self._incoming.qsize() + (self._deferred is not None),
+            queued = self._incoming.qsize() + (self._deferred is not None)
+            return {"running": len(self._rows), "queued": queued,
                     "handlers": len(self._handlers), "cancelled": len(self._cancelled),
                     "live": len(self._live)}
 

@@ -201,9 +201,9 @@ def _require_served_architecture(path: Path) -> None:
 def _plan_only(path: Path, device: str, deployment) -> None:
     """Resolve the checkpoint and plan it for ``device``; raises the planner's refusal."""
     from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.manager import Registry
-    from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.planner import plan_model
 
     registry = Registry.load()
