@@ -330,7 +330,9 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
             model_dir, device=device, moe_runner_backend=args.moe_runner_backend,
             moe_a2a_backend=args.moe_a2a_backend, progress=True, dtype=args.dtype,
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
-            generation_config=source.generation_config)
+            generation_config=source.generation_config,
+            # the command line's -p no:NAME and kin (moe-runtime serve); else the environment
+            plugin_options=getattr(args, "plugin_options", None))
     except LoadError as exc:
         raise _StartupFailure(_grouped(str(exc))) from None
     if loaded.generation_defaults:

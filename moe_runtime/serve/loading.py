@@ -62,6 +62,7 @@ def load_for_serving(
     tokenizer: str | Path | None = None,
     chat_template: str | None = None,
     generation_config: str | Path | None = "auto",
+    plugin_options=None,
 ) -> LoadedModel:
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -75,6 +76,8 @@ def load_for_serving(
     replaces the tokenizer's; a tokenizer that turns text into no tokens is refused before any
     weight is read. ``generation_config``: ``"auto"`` (the model folder's
     generation_config.json), a folder holding one, or ``None`` (no sampling defaults).
+    ``plugin_options`` (a :class:`~moe_runtime.manager.PluginOptions`, the command line's):
+    how plugins load, for the plan and the model alike (default: the environment variables).
     """
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -90,13 +93,16 @@ def load_for_serving(
     from moe_runtime.tensors import WeightError
 
     deployment = Deployment(experts_backend=moe_runner_backend, comm_backend=moe_a2a_backend)
+    from moe_runtime.manager import Registry
+
+    registry = Registry.load(options=plugin_options)
     try:
         _require_served_architecture(path)
         # Check the folder, then plan (no transformers import, no weights): in seconds.
         require_sound_checkpoint(path, device=device)
         # Plan first (no transformers import, no weights): a refused pin fails in a second.
         if not transformers_experts:
-            _plan_only(path, device, deployment)
+            _plan_only(path, device, deployment, registry)
         from tqdm.auto import tqdm
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -111,7 +117,8 @@ def load_for_serving(
         bar = (lambda total, desc: tqdm(total=total, desc=f"Loading {path.name}", unit="tensor",
                                         disable=not progress))
         loaded = load_model(path, deployment=deployment, device=device, dtype=torch_dtype,
-                            dequantize_experts=transformers_experts, progress=bar)
+                            dequantize_experts=transformers_experts, progress=bar,
+                            registry=registry)
     except (CheckpointError, WeightError, PlanError) as exc:
         raise LoadError(str(exc)) from exc
     model = loaded.model
@@ -198,15 +205,13 @@ def _require_served_architecture(path: Path) -> None:
                         f"serve cannot serve it: {arch.serve_refusal}. Served families: {served}")
 
 
-def _plan_only(path: Path, device: str, deployment) -> None:
+def _plan_only(path: Path, device: str, deployment, registry) -> None:
     """Resolve the checkpoint and plan it for ``device``; raises the planner's refusal."""
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.environment import Environment
-    from moe_runtime.manager import Registry
     from moe_runtime.planner import plan_model
 
-    registry = Registry.load()
     env = Environment.probe(device=device, modules=registry.required_modules())
     plan_model(problems_from_checkpoint(read_checkpoint(path)), registry=registry,
                environment=env, deployment=deployment)

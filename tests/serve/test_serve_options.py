@@ -285,3 +285,19 @@ def test_generation_config_vllm_turns_the_defaults_off(value, expected):
     add_serve_arguments(parser)
     source = resolve_serve_source(parser.parse_args(["--generation-config", value]))
     assert source.generation_config == expected
+
+
+def test_the_command_lines_plugin_options_reach_the_plan(tmp_path):
+    pytest.importorskip("moe_runtime_triton")
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+    from moe_runtime.manager import PluginOptions
+    from moe_runtime.serve.loading import LoadError, load_for_serving
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="bf16")
+    with pytest.raises(LoadError, match="'triton' is not a registered experts backend"):
+        load_for_serving(ckpt, moe_runner_backend="triton", progress=False,
+                         plugin_options=PluginOptions(blocked={"triton"}))
+    r = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "-p", "no:triton", "serve",
+                        str(ckpt), "--port", "0", "--moe-runner-backend", "triton"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "'triton' is not a registered experts backend" in r.stderr
