@@ -11,7 +11,10 @@ then runs one of two paths, chosen from the batch's shape alone (no host round t
   times the routed work but runs in a handful of operations, which is what small batches of small
   experts cost on a CPU;
 - **grouped**: rows sorted by expert, ``torch._grouped_mm`` for both GEMMs, routing weights applied
-  and rows added back into token order with one ``index_add_``: the routed work only.
+  and rows added back into token order with one ``index_add_``: the routed work only. Where this
+  torch's ``_grouped_mm`` does not run float32 on CPU (checked once, on a 4 x 4 product), or the
+  layer's sizes give rows that are not a multiple of 16 bytes (which it refuses), each expert's
+  rows go through ``torch.mm`` in a loop over the experts that have rows.
 
 float32, not the model's bfloat16, because a CPU without native bfloat16 dot products (AVX2, most
 AVX-512 parts) multiplies bfloat16 through conversions: 11x to 49x slower than float32 on one core
@@ -25,6 +28,8 @@ the declared degradation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F_nn
@@ -41,6 +46,28 @@ COMPUTE_DTYPE = torch.float32
 DENSE_MAX_MACS = 1 << 22
 
 _FORMATS = {f.name: f for f in F.BUILTIN_FORMATS}
+
+
+@functools.cache
+def grouped_mm_runs() -> bool:
+    """Whether ``torch._grouped_mm`` multiplies float32 on CPU in this torch (once per process)."""
+    try:
+        a, b = torch.ones(4, 4), torch.ones(1, 4, 4)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([4], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bool(torch.equal(out, a @ b[0]))
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=ends)`` as one ``torch.mm`` per expert that has rows."""
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
 
 
 def _activation(name: str):
@@ -96,6 +123,10 @@ class CpuDequantizedExperts(ExpertsBackend):
             self.w13_t = w13.transpose(1, 2).contiguous()
         self.w2_t = w2.transpose(1, 2).contiguous()
         self.w2_cat = self.w2_t.view(e * i, h)
+        # _grouped_mm takes operands whose rows are multiples of 16 bytes only
+        per_16_bytes = 16 // COMPUTE_DTYPE.itemsize
+        aligned = h % per_16_bytes == 0 and i % per_16_bytes == 0
+        self.grouped_mm = torch._grouped_mm if aligned and grouped_mm_runs() else grouped_mm_loop
 
     # ------------------------------------------------------------------------------ forward
 
@@ -149,9 +180,9 @@ class CpuDequantizedExperts(ExpertsBackend):
         used = int(ends[-1])  # a CPU tensor: no device round trip
         order = order[:used]
         token = order.div(k, rounding_mode="floor")
-        gate_up = torch._grouped_mm(x.index_select(0, token), self.w13_t, offs=ends)
+        gate_up = self.grouped_mm(x.index_select(0, token), self.w13_t, offs=ends)
         inter = self._gated(gate_up[:, :i], gate_up[:, i:])
-        y = torch._grouped_mm(inter, self.w2_t, offs=ends)
+        y = self.grouped_mm(inter, self.w2_t, offs=ends)
         y = y * topk_weights.reshape(-1).to(COMPUTE_DTYPE).index_select(0, order).unsqueeze(1)
         return x.new_zeros((n, self.hidden)).index_add_(0, token, y)
 

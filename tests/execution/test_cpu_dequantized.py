@@ -117,12 +117,15 @@ def _cases(registry, shape_names):
     return [c for c in experts_cases(registry, spec) if c.shape.name in shape_names]
 
 
-@pytest.mark.parametrize("path", ["dense", "grouped"])
-def test_both_paths_meet_the_conformance_budget(registry, monkeypatch, path):
-    """The suite's cases on either side of the dense/grouped switch, forced to one path."""
+@pytest.mark.parametrize("path", ["dense", "grouped", "grouped_loop"])
+def test_every_path_meets_the_conformance_budget(registry, monkeypatch, path):
+    """The suite's cases on either side of the dense/grouped switch, forced to one path; the
+    grouped path also with the per-expert loop used where torch._grouped_mm does not run."""
     monkeypatch.setattr(cpu_dequantized, "DENSE_MAX_MACS", 1 << 62 if path == "dense" else 0)
+    if path == "grouped_loop":
+        monkeypatch.setattr(cpu_dequantized, "grouped_mm_runs", lambda: False)
     cases = _cases(registry, {"batch", "remote_slots", "bias", "not_multiple_of_16",
-                              "idle_experts"})
+                              "idle_experts", "smallest_sizes"})
     assert {c.format for c in cases} == {f.name for f in F.BUILTIN_FORMATS}
     failures = []
     for case in cases:
@@ -173,6 +176,28 @@ def test_slots_of_experts_on_other_ranks_are_skipped_on_both_paths(monkeypatch):
         got = backend.forward(d)
         assert got.dtype == torch.bfloat16 and got[1].abs().max() == 0
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_mm_runs_float32_on_cpu_in_this_torch():
+    """torch 2.13 (the CPU pin) has it; an older torch falls back to the loop."""
+    assert cpu_dequantized.grouped_mm_runs()
+
+
+def test_sizes_grouped_mm_refuses_take_the_loop():
+    backend, weights = _backend(F.BF16, hidden=6, inter=3)  # rows of 24 and 12 bytes
+    backend.prepare(weights)
+    assert backend.grouped_mm is cpu_dequantized.grouped_mm_loop
+    backend, weights = _backend(F.BF16)
+    backend.prepare(weights)
+    assert backend.grouped_mm is torch._grouped_mm
+
+
+def test_the_loop_equals_grouped_mm_with_empty_groups():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    ends = torch.tensor([2, 2, 6, 7], dtype=torch.int32)  # expert 1 has no rows
+    torch.testing.assert_close(cpu_dequantized.grouped_mm_loop(x, w, offs=ends),
+                               torch._grouped_mm(x, w, offs=ends))
 
 
 def test_int64_ids_from_transformers_routers_are_accepted():
