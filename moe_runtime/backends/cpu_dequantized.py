@@ -60,7 +60,7 @@ def grouped_mm_runs() -> bool:
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(x, w, offs=ends)`` as one ``torch.mm`` per expert that has rows."""
+    """``torch._grouped_mm(x, w, offs=offs)`` as one ``torch.mm`` per expert that has rows."""
     out = x.new_empty((x.shape[0], w.shape[2]))
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -161,7 +161,9 @@ class CpuDequantizedExperts(ExpertsBackend):
 
     def _dense(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """Every local expert on every token; routing weights (0 where not routed) fold GEMM 2's
-        sum over experts into one product. Ids of ``-1`` land in a dropped column."""
+        sum over experts into one product. Ids of ``-1`` land in a dropped column. (An expert
+        whose float32 intermediate overflowed for a token not routed to it would add NaN; finite
+        16-bit inputs and weights of a model do not get there.)"""
         n, e, i = x.shape[0], self.num_experts, self.inter
         ids = topk_ids.long().remainder(e + 1)  # -1 -> e, the dropped column
         routed = x.new_zeros((n, e + 1)).scatter_add_(1, ids, topk_weights.to(COMPUTE_DTYPE))

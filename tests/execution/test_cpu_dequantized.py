@@ -200,6 +200,18 @@ def test_the_loop_equals_grouped_mm_with_empty_groups():
                                torch._grouped_mm(x, w, offs=ends))
 
 
+def test_a_batch_with_no_local_slot_gives_zeros_on_both_paths():
+    backend, weights = _backend(ep_rank=1, ep_size=2)
+    backend.prepare(weights)
+    hidden = torch.randn(200, 64).bfloat16()  # above the dense limit
+    d = Dispatched(F.TOKEN_MAJOR, hidden, topk_ids=torch.full((200, 2), -1, dtype=torch.int32),
+                   topk_weights=torch.rand(200, 2))
+    for limit in (10**9, 0):
+        backend.dense_limit = limit
+        got = backend.forward(d)
+        assert got.shape == (200, 64) and got.abs().max() == 0
+
+
 def test_int64_ids_from_transformers_routers_are_accepted():
     backend, weights = _backend(F.BF16)
     backend.prepare(weights)
