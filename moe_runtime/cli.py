@@ -439,14 +439,6 @@ def _add_optional_commands(sub) -> None:
         p.set_defaults(func=run_serve)
 
 
-def _export_plugin_options_for_serve(options) -> None:
-    """serve loads its plugins from the environment variables (it does not take the record yet):
-    for that command alone, the record is written there."""
-    import os
-
-    os.environ.update(options.to_environ())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -457,8 +449,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The global plugin options travel to every command in one record, args.plugin_options.
     args.plugin_options = plugin_options(args)
-    if args.command == "serve":
-        _export_plugin_options_for_serve(args.plugin_options)
     try:
         return int(args.func(args) or 0)
     except PluginError as exc:

@@ -272,3 +272,14 @@ def test_a_registry_remembers_how_its_plugins_were_loaded():
 
     reg = Registry.load(autoload=False, environ={"MOE_RUNTIME_BLOCK_PLUGINS": "x"})
     assert reg.options == PluginOptions(blocked={"x"}, autoload=False, strict=False)
+
+
+def test_the_command_line_never_writes_plugin_options_into_the_environment():
+    """Every command (serve and conformance included) takes args.plugin_options."""
+    import pathlib
+    import re
+
+    import moe_runtime.cli
+
+    source = pathlib.Path(moe_runtime.cli.__file__).read_text()
+    assert not re.search(r"os\.environ\s*\[[^]]*\]\s*=|environ\.(update|setdefault)|putenv", source)
