@@ -16,14 +16,16 @@ round-trip, hardware the machine lacks is skipped with the reason, and the entry
 no kernel library.
 """
 
-from moe_runtime.testing.cases import (  # noqa: F401
-    CommCase,
-    ExpertsCase,
-    RefusalCase,
-    TokenBoundCase,
-    case_seed,
-    comm_cases,
-    experts_cases,
-    refusal_cases,
-    token_bound_cases,
-)
+# The case records are loaded on first use: the CLI imports this package for its ``conformance``
+# command, and every other command should not pay for torch on the way.
+_FROM_CASES = ("CommCase", "ExpertsCase", "RefusalCase", "TokenBoundCase", "case_seed",
+               "comm_cases", "experts_cases", "refusal_cases", "token_bound_cases")
+__all__ = list(_FROM_CASES)
+
+
+def __getattr__(name):
+    if name in _FROM_CASES:
+        from moe_runtime.testing import cases
+
+        return getattr(cases, name)
+    raise AttributeError(f"module 'moe_runtime.testing' has no attribute {name!r}")
