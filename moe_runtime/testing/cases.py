@@ -84,14 +84,17 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         Shape("batch", 33, _up(128, m), h, 8, 2),
         # experts on other ranks: some top-k ids are -1 (token-major only)
         Shape("remote_slots", 10, h, i, 8, 3, "remote_slots"),
-        # the smallest sizes the declaration admits
+        # the smallest sizes the declaration admits, in a few tokens and in a batch large enough
+        # for a backend's large-batch path (the GEMM-shaped one)
         Shape("smallest_sizes", 5, m, m, 4, 2),
+        Shape("smallest_sizes_batch", 300, m, m, 4, 2),
         # enough output elements for the bias check to be reliable
         Shape("bias", 512, h, i, 8, 2),
     ]
     rh, ri = _ragged(72, m), _ragged(40, m)
     if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16
         shapes.append(Shape("not_multiple_of_16", 7, rh, ri, 6, 3))
+        shapes.append(Shape("not_multiple_of_16_batch", 300, rh, ri, 6, 3))
     return tuple(shapes)
 
 
