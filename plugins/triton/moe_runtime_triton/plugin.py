@@ -48,8 +48,8 @@ TRITON_EXPERTS = ExpertsBackendSpec(
             formats=(F.NVFP4_W4A4,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED,), hardware=_cuda("8.0"), shape_multiple=16,
             runs_as=F.NVFP4_W4A16,
-            note="NVFP4 W4A4 checkpoint run as W4A16: activations are not quantized (no FP4 "
-                 "tensor cores below compute capability 10.0)",
+            note="NVFP4 W4A4 checkpoint run as W4A16: activations are not quantized (these "
+                 "kernels use 16-bit tensor cores on every compute capability, FP4 ones on none)",
         ),
     ),
     priority=30,

@@ -56,3 +56,16 @@ def test_planner_picks_triton_on_hopper_and_reports_w4a4_degradation():
     env_a100 = Environment("cuda", (8, 0), available=frozenset({"triton", "torch"}), name="A100")
     lp8, _ = plan_layer(p8, registry=reg, environment=env_a100, deployment=Deployment())
     assert lp8.experts != "triton"  # fp8 needs 8.9+
+
+
+def test_the_w4a4_degradation_note_is_true_on_every_target_it_is_planned_for():
+    from moe_runtime.planner import Deployment, plan_layer
+
+    reg = Registry.load()
+    p = LayerProblem("model.layers.0.mlp.experts", F.NVFP4_W4A4, "silu", 128, 8, 2048, 768)
+    for cap in ((8, 0), (9, 0), (10, 0), (12, 0)):
+        env = Environment("cuda", cap, available=frozenset({"triton", "torch"}), name=f"sm{cap}")
+        lp, _ = plan_layer(p, registry=reg, environment=env,
+                           deployment=Deployment(experts_backend="triton"))
+        text = " ".join(lp.degradations + ([lp.note] if getattr(lp, "note", None) else []))
+        assert "below compute capability" not in text, (cap, text)
