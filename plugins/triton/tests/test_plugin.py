@@ -67,5 +67,5 @@ def test_the_w4a4_degradation_note_is_true_on_every_target_it_is_planned_for():
         env = Environment("cuda", cap, available=frozenset({"triton", "torch"}), name=f"sm{cap}")
         lp, _ = plan_layer(p, registry=reg, environment=env,
                            deployment=Deployment(experts_backend="triton"))
-        text = " ".join(lp.degradations + ([lp.note] if getattr(lp, "note", None) else []))
+        text = " ".join([*lp.degradations, str(getattr(lp, "note", "") or "")])
         assert "below compute capability" not in text, (cap, text)
