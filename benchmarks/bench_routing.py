@@ -76,9 +76,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
+    import triton
     from moe_runtime_triton import kernels as K
     from moe_runtime_triton import ops
-    import triton
 
     out = {"device": torch.cuda.get_device_name(), "rows": []}
     for label, n, k, E, bm in ROWS:

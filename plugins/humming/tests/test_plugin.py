@@ -103,8 +103,9 @@ def test_routing_groups_pairs_by_expert_in_padded_blocks(n, k, experts, block_m,
 
 
 def test_backend_refuses_a_setup_its_declaration_does_not_admit():
-    from moe_runtime.runtime import ExpertsSetup
     from moe_runtime_humming.backend import HummingExperts
+
+    from moe_runtime.runtime import ExpertsSetup
 
     setup = ExpertsSetup(problem=LAYER, runs_as=F.NVFP4_W4A16, payload=F.UNQUANTIZED,
                          layout=F.MASKED, device="cuda")
