@@ -325,6 +325,18 @@ class ExpertsBackendSpec:
                            f"does not run format {problem.format}; it declares {_listed(declared)}")
         return best
 
+    def require_setup(self, setup) -> None:
+        """Raise ``ValueError`` unless a block accepts ``setup`` (an ``ExpertsSetup``): the guard a
+        backend runs at construction, since pinned and hand-built setups bypass the planner."""
+        verdict = self.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
+                             payload=setup.payload)
+        if not verdict:
+            raise ValueError(
+                f"layer {setup.problem.name}: {self.name} cannot run this setup: "
+                f"{verdict.describe()} (format {setup.problem.format} as {setup.runs_as}, "
+                f"activation {setup.problem.activation}, layout {setup.layout}, payload "
+                f"{setup.payload}; `moe-runtime plugins` shows what it declares)")
+
     def accepting(self, problem: LayerProblem, environment: Environment | None = None,
                   **kwargs) -> list[Support]:
         """The blocks that accept ``problem``, native ones (no ``runs_as``) first."""

@@ -86,11 +86,7 @@ class CpuDequantizedExperts(ExpertsBackend):
         from moe_runtime.reference_math import dequantize_expert_weights
 
         setup = self.setup
-        verdict = CPU_DEQUANTIZED.check(setup.problem, runs_as=setup.runs_as,
-                                        layout=setup.layout, payload=setup.payload)
-        if not verdict:
-            raise ValueError(f"layer {setup.problem.name}: cpu_dequantized cannot run this setup: "
-                             f"{verdict.describe()}")
+        CPU_DEQUANTIZED.require_setup(setup)
         if weights.format != setup.problem.format:
             raise ValueError(f"layer {setup.problem.name}: got {weights.format} weights for a "
                              f"{setup.problem.format} layer")

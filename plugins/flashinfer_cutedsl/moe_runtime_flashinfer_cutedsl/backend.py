@@ -64,15 +64,7 @@ def check_capability(capability: tuple[int, int] | None, device: str = "cuda") -
 def _check_setup(setup: ExpertsSetup) -> None:
     """The declaration, checked again at construction (pinning and hand-built setups bypass the
     planner), through the same matching rule the planner uses (``Support.check``)."""
-    verdict = plugin.SPEC.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
-                                payload=setup.payload)
-    if not verdict:
-        raise ValueError(
-            f"layer {setup.problem.name}: flashinfer_cutedsl cannot run format "
-            f"{setup.problem.format} as {setup.runs_as} with activation "
-            f"{setup.problem.activation}, layout {setup.layout}, payload {setup.payload}: "
-            f"{verdict.describe()} (see `moe-runtime plugins` for what it declares)"
-        )
+    plugin.SPEC.require_setup(setup)
 
 
 def global_routes(ids: torch.Tensor, weights: torch.Tensor, first: int, elsewhere: int | None):

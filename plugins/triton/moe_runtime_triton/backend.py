@@ -22,13 +22,7 @@ class TritonExperts(ExpertsBackend):
     def __init__(self, *, setup) -> None:
         super().__init__(setup=setup)
         # pinning and hand-built setups bypass the planner: the same matching rule, again
-        verdict = TRITON_EXPERTS.check(setup.problem, runs_as=setup.runs_as, layout=setup.layout,
-                                       payload=setup.payload)
-        if not verdict:
-            raise ValueError(
-                f"layer {setup.problem.name}: the triton backend cannot run format "
-                f"{setup.problem.format} as {setup.runs_as} (layout {setup.layout}, payload "
-                f"{setup.payload}): {verdict.describe()}")
+        TRITON_EXPERTS.require_setup(setup)
 
     def prepare(self, weights: ExpertWeights) -> None:
         expected = self.setup.num_local_experts
