@@ -8,8 +8,9 @@ from moe_runtime.declarations import (
     Hardware,
     Support,
 )
-from moe_runtime.hookspecs import hookimpl, hookspec
-from moe_runtime.manager import Registry, get_plugin_manager
+from moe_runtime.plugin.hookspecs import hookimpl, hookspec
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
 
 __all__ = [
     "CapabilityRange",

@@ -70,7 +70,7 @@ def _json(value) -> str:
 
 
 def _software(registry) -> list[tuple[str, str]]:
-    from moe_runtime.manager import _version
+    from moe_runtime.plugin.manager import _version
 
     fields = [("moe-runtime version", _version("moe-runtime") or "unknown")]
     for info in sorted(registry.plugin_infos, key=lambda i: i.name):

@@ -12,8 +12,8 @@ import torch
 
 from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights
 from moe_runtime.declarations import load_factory
-from moe_runtime.manager import Registry
 from moe_runtime.planner import LayerPlan
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.router import RouterConfig, route
 
 

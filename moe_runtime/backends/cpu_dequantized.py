@@ -82,7 +82,7 @@ class CpuDequantizedExperts(ExpertsBackend):
     """Experts on dequantized float32 weights: a dense path for small batches, grouped GEMMs else."""
 
     def prepare(self, weights: ExpertWeights) -> None:
-        from moe_runtime.builtin import CPU_DEQUANTIZED
+        from moe_runtime.plugin.builtin import CPU_DEQUANTIZED
         from moe_runtime.reference_math import dequantize_expert_weights
 
         setup = self.setup

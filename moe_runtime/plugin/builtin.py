@@ -11,7 +11,7 @@ from moe_runtime.declarations import (
     Hardware,
     Support,
 )
-from moe_runtime.hookspecs import hookimpl
+from moe_runtime.plugin.hookspecs import hookimpl
 
 ALL_FORMATS = (F.BF16, F.FP16, F.FP8_W8A8, F.NVFP4_W4A4, F.NVFP4_W4A16)
 

@@ -18,7 +18,7 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.declarations import CommBackendSpec, CommSupport, ExpertsBackendSpec, Support
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
+from moe_runtime.plugin.registry import Registry
 
 # The largest per-rank batch a communication case sends on this machine; a declared bound above it
 # is run at this size and the case id says so (``-tokens4096-of16384``).

@@ -13,8 +13,8 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import CommSetup, Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.declarations import load_factory
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, PlanError, plan_layer
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.testing.cases import CommCase, ExpertsCase, Shape, TokenBoundCase, case_seed
 
 KERNEL_MODULES = ("triton", "flashinfer", "deep_ep", "cutlass", "deep_gemm")
@@ -503,9 +503,9 @@ def check_token_bound(registry: Registry, case: TokenBoundCase) -> str:
 
 def imports_of_entry_point(backend: str, options=None) -> list[str]:
     """Kernel modules imported by loading every plugin and declaration (in a fresh process that
-    loads plugins as ``options``, a :class:`~moe_runtime.manager.PluginOptions`, say)."""
+    loads plugins as ``options``, a :class:`~moe_runtime.plugin.manager.PluginOptions`, say)."""
     code = (
-        "import sys, json; from moe_runtime.manager import Registry; r = Registry.load(); "
+        "import sys, json; from moe_runtime.plugin.registry import Registry; r = Registry.load(); "
         f"spec = (r.experts.get({backend!r}) or r.comms.get({backend!r})).spec; "
         "mod = spec.factory.split(':')[0]; "
         f"bad = [m for m in {KERNEL_MODULES!r} + (mod,) if m in sys.modules]; "

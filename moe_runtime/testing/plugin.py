@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from moe_runtime.environment import Environment
-from moe_runtime.manager import PluginOptions, Registry
+from moe_runtime.plugin.manager import PluginOptions
+from moe_runtime.plugin.registry import Registry
 
 
 def pytest_addoption(parser):

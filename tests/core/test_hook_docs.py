@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_runtime import hookspecs
+from moe_runtime.plugin import hookspecs
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)

@@ -11,7 +11,8 @@ import pluggy
 import pytest
 
 from moe_runtime import hookimpl
-from moe_runtime.manager import PluginError, Registry, RegistryError, get_plugin_manager
+from moe_runtime.plugin.manager import PluginError, get_plugin_manager
+from moe_runtime.plugin.registry import Registry, RegistryError
 from moe_runtime.testing.dists import run_cli
 
 
@@ -232,7 +233,7 @@ def test_cli_strict_plugins_fails_on_broken(plugin_site):
 
 def test_discovery_imports_no_kernel_libraries():
     code = (
-        "import sys; from moe_runtime.manager import Registry; Registry.load(); "
+        "import sys; from moe_runtime.plugin.registry import Registry; Registry.load(); "
         "bad = [m for m in ('triton', 'flashinfer', 'deep_ep', 'moe_runtime.backends.reference',"
         " 'moe_runtime_triton.kernels', 'cutlass') if m in sys.modules]; print(bad)"
     )
@@ -241,7 +242,7 @@ def test_discovery_imports_no_kernel_libraries():
 
 
 def test_plugin_options_are_a_record_read_from_the_environment_and_the_command_line():
-    from moe_runtime.manager import PluginOptions
+    from moe_runtime.plugin.manager import PluginOptions
 
     env = {"MOE_RUNTIME_BLOCK_PLUGINS": "a, b", "MOE_RUNTIME_STRICT_PLUGINS": "1"}
     options = PluginOptions.from_environ(env)
@@ -268,7 +269,7 @@ def test_the_command_line_passes_plugin_options_down_without_writing_the_environ
 
 
 def test_a_registry_remembers_how_its_plugins_were_loaded():
-    from moe_runtime.manager import PluginOptions
+    from moe_runtime.plugin.manager import PluginOptions
 
     reg = Registry.load(autoload=False, environ={"MOE_RUNTIME_BLOCK_PLUGINS": "x"})
     assert reg.options == PluginOptions(blocked={"x"}, autoload=False, strict=False)

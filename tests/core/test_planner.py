@@ -18,8 +18,9 @@ from moe_runtime import (
 )
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
 
 SM100 = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange.exactly("10.0"),
                                                       CapabilityRange.exactly("10.3")])

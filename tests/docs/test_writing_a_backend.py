@@ -137,7 +137,7 @@ def test_page_budget_table_states_the_suites_constants():
 def test_page_refusal_example_is_generated_from_the_declaration():
     import importlib.util
 
-    from moe_runtime.manager import Registry
+    from moe_runtime.plugin.registry import Registry
     from moe_runtime.testing.cases import refusal_cases
 
     spec = importlib.util.spec_from_file_location(

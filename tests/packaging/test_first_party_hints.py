@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_runtime import first_party
-from moe_runtime.first_party import FIRST_PARTY, degraded_plan_hints, unregistered_backend_hint
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, PlanError, check_deployment
+from moe_runtime.plugin import first_party
+from moe_runtime.plugin.first_party import FIRST_PARTY, degraded_plan_hints, unregistered_backend_hint
+from moe_runtime.plugin.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_plan_of_a_degraded_nvfp4_layer_lists_the_missing_flashinfer_plugin(
     pytest.importorskip("moe_runtime_triton")
     from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
     from moe_runtime.cli import main
-    from moe_runtime.manager import ENV_BLOCK
+    from moe_runtime.plugin.manager import ENV_BLOCK
 
     monkeypatch.setenv(ENV_BLOCK, "")  # main() writes -p no:NAME here; restored after the test
     monkeypatch.setattr(first_party, "is_installed",
@@ -100,7 +100,7 @@ def test_plan_of_a_degraded_nvfp4_layer_lists_the_missing_flashinfer_plugin(
 def test_every_plugin_folder_of_the_checkout_has_an_entry():
     from pathlib import Path
 
-    from moe_runtime.first_party import FIRST_PARTY
+    from moe_runtime.plugin.first_party import FIRST_PARTY
 
     root = Path(__file__).resolve().parents[2]
     folders = {f"plugins/{p.name}" for p in (root / "plugins").iterdir() if (p / "setup.cfg").exists()}

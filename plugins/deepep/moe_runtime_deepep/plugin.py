@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from moe_runtime import formats as F
 from moe_runtime.declarations import CapabilityRange, CommBackendSpec, CommSupport, Hardware
-from moe_runtime.hookspecs import hookimpl
+from moe_runtime.plugin.hookspecs import hookimpl
 
 from moe_runtime_deepep import limits
 from moe_runtime_deepep.settings import DeepEPSettings

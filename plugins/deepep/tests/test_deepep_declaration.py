@@ -29,7 +29,7 @@ def test_entry_point_module_imports_neither_torch_nor_deep_ep():
         "import importlib.metadata as md\n"
         "ep = [e for e in md.entry_points(group='moe_runtime') if e.name == 'deepep'][0]\n"
         "ep.load()\n"
-        "from moe_runtime.manager import Registry\n"
+        "from moe_runtime.plugin.registry import Registry\n"
         "Registry.load(environ={})\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'deep_ep', 'deep_ep_cpp'))))\n"
@@ -70,7 +70,7 @@ def test_world_sizes_follow_deepeps_buffer_rule():
 
 
 def test_a_plugin_object_declares_explicit_settings():
-    from moe_runtime.manager import Registry
+    from moe_runtime.plugin.registry import Registry
 
     plugin = DeepEPPlugin(DeepEPSettings(ll_max_tokens_per_rank=64))
     reg = Registry.load(autoload=False, plugins=[plugin], environ={})

@@ -15,8 +15,8 @@ from moe_runtime import CapabilityRange, ExpertsBackendSpec, Hardware, Support, 
 from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer
+from moe_runtime.plugin.registry import Registry
 
 HOPPER = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange("9.0")])
 ALL = (F.BF16, F.FP8_W8A8, F.NVFP4_W4A4, F.NVFP4_W4A16)

@@ -14,7 +14,7 @@ from moe_runtime.declarations import (
     Hardware,
     Support,
 )
-from moe_runtime.hookspecs import hookimpl
+from moe_runtime.plugin.hookspecs import hookimpl
 
 NAME = "flashinfer_cutedsl"
 FACTORY = "moe_runtime_flashinfer_cutedsl.backend:CuteDslExperts"

@@ -24,8 +24,9 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.executor import build_executor
-from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, plan_layer
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
 from moe_runtime_flashinfer_cutedsl import plugin
 
 from cutedsl_helpers import blackwell_kernels_here, make_nvfp4_weights

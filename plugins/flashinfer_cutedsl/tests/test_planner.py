@@ -16,8 +16,9 @@ from moe_runtime import CommBackendSpec, CommSupport, Hardware, hookimpl
 from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
 from moe_runtime_flashinfer_cutedsl import plugin
 
 NAME = plugin.NAME

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from moe_runtime.manager import Registry
+from moe_runtime.plugin.registry import Registry
 from moe_runtime_flashinfer_cutedsl import plugin
 
 KERNEL_MODULES = ("flashinfer", "cutlass", "triton", "deep_gemm", "cuda.bindings", "tvm_ffi")
@@ -54,7 +54,7 @@ def _fresh_python(code: str) -> list[str]:
 
 def test_loading_every_plugin_imports_no_kernel_library_and_not_the_backend():
     bad = _fresh_python(
-        "import sys, json; from moe_runtime.manager import Registry; "
+        "import sys, json; from moe_runtime.plugin.registry import Registry; "
         "r = Registry.load(environ={}); assert 'flashinfer_cutedsl' in r.experts; "
         f"names = {KERNEL_MODULES!r} + ('moe_runtime_flashinfer_cutedsl.backend', "
         "'moe_runtime_flashinfer_cutedsl.weights'); "
@@ -65,7 +65,7 @@ def test_loading_every_plugin_imports_no_kernel_library_and_not_the_backend():
 
 def test_the_entry_point_module_adds_nothing_but_itself_to_what_the_core_imports():
     added = _fresh_python(
-        "import sys, json; import moe_runtime.manager, moe_runtime.declarations; "
+        "import sys, json; import moe_runtime.plugin.registry, moe_runtime.declarations; "
         "before = set(sys.modules); import moe_runtime_flashinfer_cutedsl.plugin; "
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moe_runtime import formats as F
 from moe_runtime.declarations import CapabilityRange, ExpertsBackendSpec, Hardware, Support
-from moe_runtime.hookspecs import hookimpl
+from moe_runtime.plugin.hookspecs import hookimpl
 
 # Sizes: Humming's sm90 tiles need output widths (2 I and H) in whole 128-column WGMMA groups.
 # Verified on an H200 only (conformance suite, benchmarks/RESULTS.md); Humming's Blackwell and

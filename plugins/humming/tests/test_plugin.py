@@ -13,8 +13,8 @@ import torch
 
 from moe_runtime import formats as F
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, plan_layer
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.runtime import LayerProblem
 from moe_runtime.testing.suite import *  # noqa: F401,F403
 
@@ -27,7 +27,7 @@ LAYER = LayerProblem("model.layers.0.mlp.experts", F.NVFP4_W4A16, "silu", 256, 8
 def test_entry_point_registers_humming_without_importing_kernels():
     code = (
         "import sys\n"
-        "from moe_runtime.manager import Registry\n"
+        "from moe_runtime.plugin.registry import Registry\n"
         "reg = Registry.load()\n"
         "assert 'humming' in reg.experts, sorted(reg.experts)\n"
         "bad = [m for m in ('humming', 'torch', 'moe_runtime_humming.backend') if m in sys.modules]\n"

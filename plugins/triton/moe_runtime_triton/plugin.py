@@ -13,7 +13,7 @@ from moe_runtime.declarations import (
     Hardware,
     Support,
 )
-from moe_runtime.hookspecs import hookimpl
+from moe_runtime.plugin.hookspecs import hookimpl
 
 ACTIVATIONS = (F.SILU, F.GELU)
 

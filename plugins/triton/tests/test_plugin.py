@@ -10,7 +10,7 @@ import sys
 from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.testing.suite import *  # noqa: F401,F403
 
 MOE_CONFORMANCE_BACKENDS = ["triton"]
@@ -19,7 +19,7 @@ MOE_CONFORMANCE_BACKENDS = ["triton"]
 def test_entry_point_registers_triton_without_importing_kernels():
     code = (
         "import sys\n"
-        "from moe_runtime.manager import Registry\n"
+        "from moe_runtime.plugin.registry import Registry\n"
         "reg = Registry.load()\n"
         "assert 'triton' in reg.experts, sorted(reg.experts)\n"
         "bad = [m for m in ('triton', 'moe_runtime_triton.ops', 'moe_runtime_triton.kernels',"
