@@ -33,7 +33,6 @@ import bisect
 import json
 import math
 import re
-import struct
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -59,7 +58,15 @@ from moe_runtime.checkpoint.quant_config import (
 )
 from moe_runtime.checkpoint.records import CheckpointError, MoELayerInfo
 from moe_runtime.checkpoint.resolution import canonical_name, resolve_module
-from moe_runtime.checkpoint.tensors import _MAX_HEADER, DTYPE_SIZES, INDEX_FILE, TensorMeta
+from moe_runtime.checkpoint.tensors import (
+    DTYPE_SIZES,
+    INDEX_FILE,
+    HeaderError,
+    TensorMeta,
+    header_entry_problem,
+    read_header,
+    weight_map_of,
+)
 
 # What each rule is about (a closed set: tests and --json readers key on it).
 RULES = ("folder", "json", "config", "routing", "quantization", "agreement", "group_size",
@@ -536,11 +543,10 @@ class _Check:
                 data = json.loads(index.read_text())
             except (OSError, ValueError, RecursionError):
                 return False  # reported by check_json / check_folder
-            weight_map = data.get("weight_map") if isinstance(data, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                self.add("index", str(index), "has no 'weight_map' object of tensor -> file",
-                         '{"weight_map": {"tensor name": "shard file name", ...}}')
+            try:
+                weight_map = weight_map_of(data, index)
+            except HeaderError as exc:
+                self.add("index", str(index), exc.problem, exc.expected)
                 return False
             mapped = weight_map
             files = sorted(set(weight_map.values()))
@@ -587,45 +593,20 @@ class _Check:
     def _read_header(self, path: Path) -> None:
         where = str(path)
         try:
-            size_on_disk = path.stat().st_size
-            with path.open("rb") as fh:
-                raw = fh.read(8)
-                if len(raw) != 8:
-                    self.add("safetensors", where, f"is {len(raw)} bytes long, too short to be "
-                             "a safetensors file", "a safetensors file (8-byte header length, "
-                             "JSON header, data)")
-                    return
-                (n,) = struct.unpack("<Q", raw)
-                if n > min(_MAX_HEADER, size_on_disk - 8):
-                    self.add("safetensors", where,
-                             f"its header length field says {n} bytes but the file has "
-                             f"{size_on_disk} bytes: the header is corrupt",
-                             "a safetensors file (8-byte little-endian header length, then "
-                             "that many bytes of JSON)")
-                    return
-                header = json.loads(fh.read(n))
-        except OSError:
-            return  # reported by check_folder
-        except (ValueError, RecursionError) as exc:
-            self.add("safetensors", where, f"the header is not valid JSON ({exc})",
-                     "a safetensors header: a JSON object of name -> "
-                     "{dtype, shape, data_offsets}")
+            header = read_header(path)
+        except HeaderError as exc:
+            if not isinstance(exc.__cause__, OSError):  # an unreadable file: check_folder says so
+                self.add("safetensors", where, exc.problem, exc.expected)
             return
-        if not isinstance(header, dict):
-            self.add("safetensors", where, "the header is not a JSON object",
-                     "a JSON object of tensor name -> {dtype, shape, data_offsets}")
-            return
-        header.pop("__metadata__", None)
-        data_size = size_on_disk - 8 - n
+        data_size = header.data_size
         bad: list[str] = []
-        for name, meta in header.items():
-            problem = _entry_problem(meta, data_size)
+        for name, meta in header.entries.items():
+            problem = header_entry_problem(meta, data_size)
             if problem:
                 bad.append(f"tensor {name!r} {problem}")
                 continue
             self.tensors[name] = TensorMeta(meta["dtype"], meta["shape"], path.name)
-            start, end = meta["data_offsets"]
-            self.ranges[name] = (path.name, 8 + n + start, 8 + n + end)
+            self.ranges[name] = (path.name, *header.data_range(name))
         if bad:
             self.add("safetensors", where, bad[0] + _more(len(bad) - 1),
                      f"header entries {{dtype, shape, data_offsets}} with a known dtype, whose "
@@ -905,29 +886,6 @@ def _few(items: list[str]) -> str:
         return "nothing"
     shown = ", ".join(repr(x) for x in items[:_LISTED])
     return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
-
-
-def _entry_problem(meta: Any, data_size: int) -> str | None:
-    """Why one safetensors header entry is malformed, or ``None``."""
-    if not isinstance(meta, dict):
-        return "is not an object"
-    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        return f"has unknown dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        return f"has shape {shape!r}, not a list of sizes"
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        return f"has data_offsets {offsets!r}, not [start, end]"
-    start, end = offsets
-    if not 0 <= start <= end <= data_size:
-        return (f"has data_offsets [{start}, {end}] outside the file's {data_size} data bytes "
-                "(a truncated file?)")
-    need = math.prod(shape) * DTYPE_SIZES[dtype]
-    if end - start != need:
-        return f"is {dtype} {shape} ({need} bytes) but data_offsets span {end - start} bytes"
-    return None
 
 
 def _tensor_problem(meta: TensorMeta | None, dtypes: tuple, shape) -> tuple[str, str] | None:

@@ -3,14 +3,17 @@
 A safetensors file starts with an 8-byte little-endian header length and a JSON header mapping each
 tensor name to ``{"dtype", "shape", "data_offsets"}``; reading it costs one small read per file,
 whatever the checkpoint's size, and needs no tensor library. A sharded checkpoint lists its shards
-in ``model.safetensors.index.json``. :func:`read_tensor_index` reads both (every problem a
-:class:`CheckpointError`); :class:`CheckpointTensors` reads tensor data on demand from what it
+in ``model.safetensors.index.json``. :func:`read_header` and :func:`weight_map_of` are the only
+readers of those two (a :class:`HeaderError` says what is wrong and what would be accepted;
+``moe-runtime check`` reports it, loading raises it); :func:`read_tensor_index` reads a folder's
+tensors through them, and :class:`CheckpointTensors` reads tensor data on demand from what it
 found (a tensor that is missing or of the wrong dtype or shape: :class:`WeightError`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -53,24 +56,94 @@ class TensorMeta:
     file: str
 
 
-def _header(path: Path) -> dict:
+class HeaderError(CheckpointError):
+    """A safetensors file's header or an index cannot be read as one: ``problem`` says what is
+    wrong with ``where`` (a file), ``expected`` what would be accepted."""
+
+    def __init__(self, where: Path, problem: str, expected: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where, self.problem, self.expected = where, problem, expected
+
+
+@attrs.frozen
+class SafetensorsHeader:
+    """One file's header: its raw entries (``__metadata__`` left out) and the sizes around them."""
+
+    entries: dict
+    header_size: int  # bytes of JSON after the 8-byte length field
+    file_size: int
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - 8 - self.header_size
+
+    def data_range(self, name: str) -> tuple[int, int]:
+        """Where tensor ``name``'s bytes lie in the file (absolute offsets)."""
+        start, end = self.entries[name]["data_offsets"]
+        return 8 + self.header_size + start, 8 + self.header_size + end
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """The header of the safetensors file ``path`` (:class:`HeaderError` if it cannot be one)."""
+    shape_of_file = ("a safetensors file (8-byte little-endian header length, then that many "
+                     "bytes of JSON, then data)")
     try:
+        file_size = path.stat().st_size
         with path.open("rb") as fh:
             raw = fh.read(8)
             if len(raw) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file")
+                raise HeaderError(path, f"is {len(raw)} bytes long, too short to be a "
+                                  "safetensors file", shape_of_file)
             (size,) = struct.unpack("<Q", raw)
-            if size > _MAX_HEADER:
-                raise CheckpointError(f"{path}: a {size}-byte safetensors header is implausible")
+            if size > min(_MAX_HEADER, file_size - 8):
+                raise HeaderError(path, f"its header length field says {size} bytes but the file "
+                                  f"has {file_size} bytes: the header is corrupt", shape_of_file)
             header = json.loads(fh.read(size))
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+        raise HeaderError(path, f"cannot be read ({exc.strerror})", "a readable file") from exc
+    except (ValueError, RecursionError) as exc:
+        raise HeaderError(path, f"the header is not valid JSON ({exc})",
+                          "a safetensors header: a JSON object of name -> "
+                          "{dtype, shape, data_offsets}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+        raise HeaderError(path, "the header is not a JSON object",
+                          "a JSON object of tensor name -> {dtype, shape, data_offsets}")
     header.pop("__metadata__", None)
-    return header
+    return SafetensorsHeader(header, size, file_size)
+
+
+def header_entry_problem(meta, data_size: int) -> str | None:
+    """Why one header entry is malformed (``None`` if it is not): a known dtype, a shape of sizes,
+    ``data_offsets`` within the file's ``data_size`` data bytes that span exactly the tensor."""
+    if not isinstance(meta, dict):
+        return "is not an object"
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        return f"has unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        return f"has data_offsets {offsets!r}, not [start, end]"
+    start, end = offsets
+    if not 0 <= start <= end <= data_size:
+        return (f"has data_offsets [{start}, {end}] outside the file's {data_size} data bytes "
+                "(a truncated file?)")
+    need = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - start != need:
+        return f"is {dtype} {shape} ({need} bytes) but data_offsets span {end - start} bytes"
+    return None
+
+
+def weight_map_of(index_data, index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of the parsed index file ``index``."""
+    weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise HeaderError(index, "has no 'weight_map' object of tensor -> file",
+                          '{"weight_map": {"tensor name": "shard file name", ...}}')
+    return weight_map
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -79,9 +152,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.exists():
         from moe_runtime.checkpoint.quant_config import load_json
 
-        weight_map = load_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: missing the 'weight_map' object")
+        weight_map = weight_map_of(load_json(index), index)
         return [folder / name for name in sorted(set(weight_map.values()))]
     return sorted(folder.glob("*.safetensors"))
 
@@ -92,7 +163,7 @@ def read_tensor_index(folder: Path) -> dict[str, TensorMeta]:
     for path in safetensors_files(folder):
         if not path.exists():
             raise CheckpointError(f"{folder / INDEX_FILE}: names {path.name}, which is missing")
-        for name, meta in _header(path).items():
+        for name, meta in read_header(path).entries.items():
             if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
                 raise CheckpointError(f"{path}: header entry {name!r} lacks dtype or shape")
             tensors[name] = TensorMeta(meta["dtype"], meta["shape"], path.name)
