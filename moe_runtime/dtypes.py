@@ -2,7 +2,8 @@
 
 A checkpoint's ``config.json`` names its dtype (``torch_dtype`` / ``dtype``: ``"bfloat16"``,
 ``"float16"``, ``"float32"``, sometimes ``"half"`` or ``"torch.bfloat16"``); layer problems,
-loading and the memory estimate all read it through :func:`model_dtype_name`.
+loading and the memory estimate all read it through :func:`config_dtype` and
+:func:`model_dtype_name`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,18 @@ MODEL_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ALIASES = {"half": "float16", "float": "float32"}
 
 
-def model_dtype_name(value, default: str = "bfloat16") -> str:
+def config_dtype(config: dict, default: str = "bfloat16"):
+    """The dtype a ``config.json`` (``config``) names, as written: ``dtype``, then ``torch_dtype``,
+    at its top level, then in its ``text_config``; ``default`` where none is set."""
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for table in (config, text_config):
+        for key in ("dtype", "torch_dtype"):
+            if table.get(key):
+                return table[key]
+    return default
+
+
+def model_dtype_name(value, default: str | None = "bfloat16") -> str | None:
     """The canonical name of ``value`` (a name, an alias, ``"torch.X"`` or a torch dtype), or
     ``default`` when it is empty or not a model dtype."""
     if value is None or value == "":

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from moe_runtime import formats
 from moe_runtime.backend_api import ExpertWeights
+from moe_runtime.dtypes import torch_dtype
 from moe_runtime.quant import (
     dequantize_fp8,
     dequantize_nvfp4,
@@ -44,7 +45,6 @@ __all__ = [
 _FORMATS = {f.name: f for f in formats.BUILTIN_FORMATS}
 # Everything below dispatches on a format's storage (formats.Encoding) and activation payload,
 # never on its name.
-_FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_ELEMENT, E2M1_ELEMENT = "float8_e4m3fn", "e2m1"
 
 
@@ -103,7 +103,7 @@ def _dequantize_projection(
 ) -> torch.Tensor:
     """Dequantize one projection; leading dims (experts) of q, scale and scale_2 agree."""
     element = _element(fmt)
-    if element in _FLOAT_DTYPES:
+    if _format(fmt).stored_as.is_float16:
         return q.to(dtype)
     if element == FP8_ELEMENT:
         return dequantize_fp8(q, scale.unsqueeze(-1), dtype)
@@ -210,8 +210,8 @@ def quantize_expert_weights(
     device = w13_float.device
 
     element = spec.stored_as.element
-    if element in _FLOAT_DTYPES:
-        dtype = _FLOAT_DTYPES[element]
+    if spec.stored_as.is_float16:
+        dtype = torch_dtype(element)
         return ExpertWeights(
             fmt, activation, w13_float.to(dtype).contiguous(), w2_float.to(dtype).contiguous()
         )

@@ -36,6 +36,7 @@ import torch.nn.functional as F_nn
 
 from moe_runtime import formats as F
 from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.dtypes import torch_dtype
 from moe_runtime.quant import fake_quantize_fp8
 
 COMPUTE_DTYPE = torch.float32
@@ -105,7 +106,7 @@ class CpuDequantizedExperts(ExpertsBackend):
         e, i, h = weights.num_experts, weights.intermediate_size, weights.hidden_size
         self.num_experts, self.inter, self.hidden = e, i, h
         self.dense_limit = DENSE_MAX_MACS // max(1, e * 3 * h * i)  # tokens the dense path takes
-        self.out_dtype = getattr(torch, setup.problem.dtype)
+        self.out_dtype = torch_dtype(setup.problem.dtype)
         w13, w2 = dequantize_expert_weights(weights, COMPUTE_DTYPE)  # exact, [E,2I,H], [E,H,I]
         # Both paths read one copy. W2 as [E, I, H] (grouped: per-expert blocks w2_t; dense: the
         # same memory as [E*I, H], one product that sums over experts). W13 as [E, H, 2I] where

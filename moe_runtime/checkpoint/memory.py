@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from moe_runtime import formats
-from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name
+from moe_runtime.dtypes import MODEL_DTYPES, config_dtype, model_dtype_name
 from moe_runtime.placement import local_experts
 
 GiB = 1 << 30
@@ -152,8 +152,7 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
         of each layer (the estimate is one rank's).
     """
     f = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or f.get("dtype") or "bfloat16")
-    dbytes = MODEL_DTYPES[model_dtype_name(dtype)]
+    dbytes = MODEL_DTYPES[model_dtype_name(config_dtype(config))]
     hidden = _int(f, "hidden_size")
     vocab = _int(f, "vocab_size")
     layers = _int(f, "num_hidden_layers")

@@ -27,6 +27,7 @@ import attrs
 
 from moe_runtime import formats
 from moe_runtime.checkpoint.records import CheckpointError, ModuleQuant
+from moe_runtime.dtypes import config_dtype, model_dtype_name
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 CONFIG = "config.json"
@@ -112,7 +113,7 @@ class QuantizationSpec:
 
     def unquantized(self, source: str) -> ModuleQuant:
         """A ModuleQuant for an unquantized module of this checkpoint's dtype."""
-        fmt = _UNQUANTIZED_DTYPES.get(str(self.dtype or "bfloat16").replace("torch.", ""))
+        fmt = _UNQUANTIZED_DTYPES.get(model_dtype_name(self.dtype or "bfloat16", default=None))
         if fmt is None:
             raise CheckpointError(
                 f"{self.file_of('dtype')}: 'dtype' is {self.dtype!r}; unquantized modules are run "
@@ -326,9 +327,7 @@ def read_quantization(folder: Path, config: dict[str, Any], *,
     ``strict=False`` lets the first source win a disagreement instead of raising (the checkpoint
     check reports disagreements itself and goes on to check the tensors).
     """
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    dtype = (config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype")
-             or text_config.get("torch_dtype") or "bfloat16")
+    dtype = config_dtype(config)
     sources = quantization_sources(folder, config)
     cfg_file = str(folder / CONFIG)
 

@@ -277,8 +277,8 @@ def exported(tmp_path_factory):
     tiny = pytest.importorskip("moe_runtime.checkpoint.tiny", reason="moe_runtime.checkpoint.tiny "
                                "(tiny ModelOpt checkpoints) is not in this checkout")
     from moe_runtime.checkpoint import read_checkpoint
+    from moe_runtime.checkpoint.tensors import CheckpointTensors
     from moe_runtime.methods import load_expert_weights
-    from moe_runtime.tensors import CheckpointTensors
 
     folder = tiny.make_tiny_checkpoint(tmp_path_factory.mktemp("export") / "nvfp4",
                                        arch="qwen3_moe", quant="nvfp4", hidden_size=128,

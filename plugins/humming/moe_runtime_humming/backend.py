@@ -15,7 +15,8 @@ import json
 import torch
 
 from moe_runtime import formats as F
-from moe_runtime.runtime import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertWeights
+from moe_runtime.dtypes import torch_dtype
 from moe_runtime_humming.plugin import HUMMING_EXPERTS
 
 COMPUTE = json.dumps({"gemm_type": "indexed"})
@@ -144,7 +145,7 @@ class HummingExperts(ExpertsBackend):
         if missing:
             raise ValueError(f"layer {self.setup.problem.name}: NVFP4 weights without "
                              f"{', '.join(missing)}")
-        self.dtype = getattr(torch, self.setup.problem.dtype)
+        self.dtype = torch_dtype(self.setup.problem.dtype)
         if self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"layer {self.setup.problem.name}: the humming backend computes in "
                              f"bfloat16 or float16, not {self.setup.problem.dtype}")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from moe_runtime import formats as F
+from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.planner import Deployment, plan_layer
 from moe_runtime.plugin.registry import Registry
-from moe_runtime.runtime import LayerProblem
 from moe_runtime.testing.suite import *  # noqa: F401,F403
 
 MOE_CONFORMANCE_BACKENDS = ["humming"]
@@ -105,7 +105,7 @@ def test_routing_groups_pairs_by_expert_in_padded_blocks(n, k, experts, block_m,
 def test_backend_refuses_a_setup_its_declaration_does_not_admit():
     from moe_runtime_humming.backend import HummingExperts
 
-    from moe_runtime.runtime import ExpertsSetup
+    from moe_runtime.backend_api import ExpertsSetup
 
     setup = ExpertsSetup(problem=LAYER, runs_as=F.NVFP4_W4A16, payload=F.UNQUANTIZED,
                          layout=F.MASKED, device="cuda")
