@@ -13,6 +13,7 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import CommSetup, Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.declarations import load_factory
 from moe_runtime.environment import Environment
+from moe_runtime.placement import local_experts
 from moe_runtime.planner import Deployment, PlanError, plan_layer
 from moe_runtime.plugin.registry import Registry
 from moe_runtime.testing.cases import CommCase, ExpertsCase, Shape, TokenBoundCase, case_seed
@@ -372,7 +373,7 @@ def _comm_tokens(case: CommCase, scenario: str, rank: int, gen: torch.Generator)
     else:  # every token on rank 0, routed to the experts rank 0 holds
         n = min(case.tokens, 37) if rank == 0 else 0
     x = torch.randn((n, _COMM_HIDDEN), generator=gen)
-    pool = e if scenario != "all_on_rank_0" else max(e // world, _COMM_TOP_K)
+    pool = e if scenario != "all_on_rank_0" else max(len(local_experts(e, world, 0)), _COMM_TOP_K)
     ids = torch.rand((n, pool), generator=gen).topk(_COMM_TOP_K, dim=-1).indices.to(torch.int32)
     w = torch.rand((n, _COMM_TOP_K), generator=gen)
     return x, ids, w

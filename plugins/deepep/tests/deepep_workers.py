@@ -17,6 +17,7 @@ from moe_runtime.backend_api import CommSetup, ExpertsSetup, ExpertWeights, Laye
 from moe_runtime.backends.all_to_all import TorchAllToAll
 from moe_runtime.backends.local import LocalComm
 from moe_runtime.backends.reference import ReferenceExperts
+from moe_runtime.placement import local_experts
 
 from moe_runtime_deepep import layout as L
 from moe_runtime_deepep.backend import DeepEPComm, DeepEPError, DeepEPTokenBoundError
@@ -39,8 +40,8 @@ def global_weights(p: LayerProblem, seed: int = 7) -> ExpertWeights:
 
 
 def local_weights(w: ExpertWeights, rank: int, world: int) -> ExpertWeights:
-    per = w.num_experts // world
-    sl = slice(rank * per, (rank + 1) * per)
+    mine = local_experts(w.num_experts, world, rank)
+    sl = slice(mine.start, mine.stop)
     return ExpertWeights(w.format, w.activation, w.w13[sl].clone(), w.w2[sl].clone())
 
 
@@ -110,7 +111,8 @@ def layout_against_reference(rank, world, n_tokens):
     comm = TorchAllToAll(setup=CommSetup(problem=p, payload=F.UNQUANTIZED, layout=F.TOKEN_MAJOR,
                                          ep_rank=rank, ep_size=world))
     d, handle = comm.dispatch(hidden, ids, w)
-    per = p.num_experts // world
+    mine = local_experts(p.num_experts, world, rank)
+    per = len(mine)
     n_recv = d.hidden.shape[0]
     m = L.tokens_to_masked(d.hidden, d.topk_ids, per, max_rows=max(n_recv, 1))
     # masked_m is the per-local-expert count of the received ids (DeepEP's recv counts)
@@ -127,7 +129,7 @@ def layout_against_reference(rank, world, n_tokens):
                 assert int(m.slot[t, k]) == -1
     outs = torch.zeros(m.hidden.shape, dtype=torch.float32)
     for e in range(per):
-        outs[e] = expert_fn(m.hidden[e], rank * per + e)
+        outs[e] = expert_fn(m.hidden[e], mine[e])
     partial = L.masked_to_tokens(outs, d.topk_ids, m.slot, d.topk_weights)
     direct = torch.zeros((n_recv, p.hidden_size), dtype=torch.float32)
     for k in range(p.top_k):
@@ -136,7 +138,7 @@ def layout_against_reference(rank, world, n_tokens):
         vals = torch.zeros_like(direct)
         for le in range(per):
             sel = e == le
-            vals[sel] = expert_fn(d.hidden[sel], rank * per + le)
+            vals[sel] = expert_fn(d.hidden[sel], mine[le])
         direct += torch.where(ok[:, None], vals, torch.zeros_like(vals)) * torch.where(
             ok, d.topk_weights[:, k], torch.zeros_like(d.topk_weights[:, k]))[:, None]
     assert torch.equal(partial, direct)
@@ -168,7 +170,8 @@ def normal_mode_matches_reference(rank, world, n_tokens):
     assert d.topk_ids.dtype == torch.int32
     valid = d.topk_ids >= 0
     assert torch.equal(d.topk_weights[valid], ref_d.topk_weights[valid])
-    counts = torch.bincount(d.topk_ids[valid].long(), minlength=p.num_experts // world)
+    n_local = len(local_experts(p.num_experts, world, rank))
+    counts = torch.bincount(d.topk_ids[valid].long(), minlength=n_local)
     assert d.extra["tokens_per_expert"] == counts.tolist()
     ex = experts(p, rank, world, F.TOKEN_MAJOR, F.UNQUANTIZED, local_weights(gw, rank, world))
     got = comm.combine(ex.forward(d), h)
@@ -209,7 +212,7 @@ def low_latency_matches_reference(rank, world, n_tokens, max_tokens):
     want_a2a, ref_d = reference_a2a(p, rank, world, hidden, ids, w)
     comm, buf = deepep(p, rank, world, F.MASKED, max_tokens=max_tokens)
     d, h = comm.dispatch(hidden, ids, w)
-    per = p.num_experts // world
+    per = len(local_experts(p.num_experts, world, rank))
     assert d.layout == F.MASKED and d.hidden.shape == (per, max_tokens * world, p.hidden_size)
     # the received rows per expert are the reference's rows (as a multiset; order is DeepEP's)
     ref_m = L.tokens_to_masked(ref_d.hidden, ref_d.topk_ids, per,
