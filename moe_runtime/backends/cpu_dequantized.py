@@ -1,30 +1,11 @@
 """The CPU experts backend: weights dequantized once at load, float32 GEMMs in every forward.
 
-``prepare`` dequantizes the layer's local experts exactly (:mod:`moe_runtime.reference_math`) into a
-float32 copy laid out for the two GEMMs, and keeps nothing of the checkpoint's tensors. ``forward``
-then runs one of two paths, chosen from the batch's shape alone (no host round trip decides it):
-
-- **dense**: every local expert on every token, two matrix multiplies in all: ``x @ W13`` over the
-  concatenated experts, the gated activation, the intermediate scaled by each token's routing
-  weight for that expert (zero for experts it was not routed to), and one ``@ W2`` over the
-  concatenated experts, which sums over experts as it multiplies. It wastes ``experts / top_k``
-  times the routed work but runs in a handful of operations, which is what small batches of small
-  experts cost on a CPU;
-- **grouped**: rows sorted by expert, ``torch._grouped_mm`` for both GEMMs, routing weights applied
-  and rows added back into token order with one ``index_add_``: the routed work only. Where this
-  torch's ``_grouped_mm`` does not run float32 on CPU (checked once, on a 4 x 4 product), or the
-  layer's sizes give rows that are not a multiple of 16 bytes (which it refuses), each expert's
-  rows go through ``torch.mm`` in a loop over the experts that have rows.
-
-float32, not the model's bfloat16, because a CPU without native bfloat16 dot products (AVX2, most
-AVX-512 parts) multiplies bfloat16 through conversions: 11x to 49x slower than float32 on one core
-of the AVX2 machine of benchmarks/RESULTS.md. The copy costs 4 bytes per weight, which the
-declaration's note states.
-
-A format that quantizes activations and is run as itself (``fp8_w8a8``) has them quantized and
-dequantized here exactly as the reference does (per tensor, with the checkpoint's input scales), so
-the GEMMs see what a W8A8 kernel sees. A W4A4 layer is run as its weight-only format only through
-the declared degradation.
+``prepare`` dequantizes the local experts exactly (:mod:`moe_runtime.reference_math`) into one
+float32 copy laid out for both paths; ``forward`` picks a path from the batch's shape alone: dense
+(every local expert on every token, two matrix multiplies; small batches) or grouped (rows sorted
+by expert, ``torch._grouped_mm``, or one ``torch.mm`` per expert where that cannot run). FP8 W8A8
+activations are quantized and dequantized as the reference does. Why float32, and the paths in
+detail: docs/cpu-dequantized.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Which DeepEP ``Buffer`` API is installed, found from signatures and attributes (never a name).
 
 Pure Python: :func:`inspect_buffer_api` takes the ``Buffer`` class (or any class with its methods,
-such as the tests' simulation) and reports the features the backend relies on. Differences seen in
-the releases read (README.md, "Sources"):
-
-=====================================  ==========  ===================  ======================
-feature                                1.0.0       1.1.0 - 1.2.1        sgl-project fork
-=====================================  ==========  ===================  ======================
-``low_latency_dispatch(use_fp8=)``     absent:     present (default     present
-                                       always FP8  True)
-``low_latency_dispatch(use_nvfp4=,``   absent      absent               present
-``x_global_scale=)``
-``low_latency_combine`` handle         4-tuple     5-tuple (+hidden)    5-tuple
-``Buffer(allow_nvlink_for_low_``       absent      present              present
-``latency_mode=)``
-``Buffer.is_sm90_compiled()``          absent      present              present
-``deep_ep.topk_idx_t``                 absent      1.2.x (int64 or      present
-                                       (int64)     int32 builds)
-=====================================  ==========  ===================  ======================
+such as the tests' simulation) and reports the features the backend relies on. The differences
+between the releases read are tabled in README.md, "DeepEP API versions".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Layout and handle conversions around DeepEP, in plain torch (CPU and CUDA alike).
+"""Layout and handle conversions around DeepEP, in plain torch (CPU and CUDA alike); nothing here
+calls DeepEP.
 
-Nothing here calls DeepEP. The functions are of two kinds:
-
-- what the backend itself runs: splitting a low-latency batch into bounded rounds
-  (:func:`chunk_spans`), merging the rounds' masked outputs into one masked layout for the experts
-  backend and splitting the experts' output back per round (:func:`merge_masked_chunks`,
-  :func:`split_masked_chunks`), and the constant scale blocks of an FP8 normal dispatch
-  (:func:`fp8_scale_blocks`);
-- the same transformations DeepEP's kernels perform, written out so they can be checked against
-  the reference all-to-all on CPU processes: token-major rows to the masked layout given the
-  per-expert counts (:func:`tokens_to_masked`, what the low-latency dispatch produces up to the row
-  order inside an expert's block) and the low-latency combine's weighted reduction
-  (:func:`masked_to_tokens`).
-
-No function synchronises with the host unless it says so, and none writes out of bounds: rows that
-do not fit are steered to a spare row that is cut off before returning.
+What the backend runs: low-latency batches split into bounded rounds and merged back
+(:func:`chunk_spans`, :func:`merge_masked_chunks`, :func:`split_masked_chunks`), FP8 scale blocks
+(:func:`fp8_scale_blocks`). What DeepEP's kernels do, written out for CPU checks against the
+reference all-to-all: :func:`tokens_to_masked`, :func:`masked_to_tokens`. No function syncs with
+the host unless it says so, and none writes out of bounds.
 """
 
 from __future__ import annotations

@@ -2,18 +2,8 @@
 
 Pure Python (no torch, no deep_ep): the entry-point module builds the declaration from these
 numbers, and the backend checks a layer against them before it allocates anything, so that a layer
-DeepEP would abort on (``EP_HOST_ASSERT``) or hang on is refused with a sentence instead.
-
-Sources read (see README.md, "Sources"):
-
-- PyPI ``deep-ep`` 1.0.0 (sdist, sha256 d6894fad...): ``deep_ep/buffer.py``, ``csrc/deep_ep.cpp``,
-  ``csrc/kernels/{intranode,internode,internode_ll}.cu``.
-- github deepseek-ai/DeepEP at later states: ``setup.py`` (version 1.1.0), ``deep_ep/__init__.py``
-  (``__version__ = "1.2.1"``), ``deep_ep/buffer.py`` (``use_fp8`` in ``low_latency_dispatch``),
-  ``deep_ep/buffers/legacy.py`` (the same ``Buffer`` after the V2 reorganisation),
-  ``csrc/kernels/launch.cuh`` (``SWITCH_RANKS``, ``SWITCH_HIDDEN``), ``csrc/kernels/configs.cuh``.
-- github sgl-project/DeepEP (PyPI ``sgl-deep-ep``): ``deep_ep/buffer.py`` (``use_nvfp4``,
-  ``x_global_scale``) and ``tests/test_low_latency_nvfp4.py``.
+DeepEP would abort on (``EP_HOST_ASSERT``) or hang on is refused with a sentence instead. The
+sources read are listed in README.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """``CuteDslExperts``: FlashInfer's CuTe-DSL NVFP4 MoE kernels behind moe-runtime's experts API.
 
-NOT RUN ON HARDWARE. No compute-capability 10.x device was available to this project; this module
-is written against the signatures read in flashinfer-python 0.7.0/0.7.4 (listed in the README) and
-only its refusals are exercised on CPU. FlashInfer is imported inside methods, never at import.
-
-Two paths, chosen by the layout the plan gives:
-
-- token-major: ``flashinfer.CuteDslMoEWrapper`` (``quant_mode="w4a4"``: activations quantized with
-  ``flashinfer.fp4_quantize`` to packed NVFP4 with linear block scales; ``quant_mode="w4a16"``:
-  bf16 activations). The wrapper sorts the routes itself (``moe_sort`` on *global* expert ids with
-  ``local_expert_offset``/``num_local_experts``) and applies the routing weights in its finalize.
-- masked: ``flashinfer.gemm.grouped_gemm_nt_masked`` for both GEMMs, with
-  ``flashinfer.scaled_fp4_grouped_quantize`` before GEMM 1 (skipped when the dispatch already
-  delivers NVFP4) and ``flashinfer.silu_and_mul_scaled_nvfp4_experts_quantize`` between them.
-  Expert outputs are returned unweighted, as the masked layout requires.
+Two paths, by the plan's layout: token-major through ``flashinfer.CuteDslMoEWrapper`` (W4A4 or
+W4A16), masked through ``grouped_gemm_nt_masked`` with FlashInfer's NVFP4 quantizers around it
+(unweighted outputs). FlashInfer is imported inside methods, never at import. Not yet run on a
+compute-capability 10.x device: README.md, "Running" and "What has run".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Weight preparation for FlashInfer's CuTe-DSL NVFP4 MoE, done once at load, in plain torch.
 
-Input: :class:`moe_runtime.backend_api.ExpertWeights` in the checkpoint's NVFP4 layout (``w13``
-uint8 ``[E, 2I, H/2]`` with gate rows first, then up; e4m3 block scales ``[E, 2I, H/16]``;
-per-expert ``weight_scale_2`` ``[E]``; the layer's 0-dim ``input_scale`` per GEMM). Output: a
-:class:`PreparedExperts` holding exactly the tensors the kernels take. Each step is a function
-of its own so that the tests can hold it against a plain statement of the target layout:
-
-1. :func:`local_experts` - expert-parallel slicing to this rank's experts;
-2. :func:`up_gate_interleaved` - GEMM 1 rows for ``CuteDslMoEWrapper``: ``[up; gate]`` order, then
-   interleaved in 64-row chunks ``[up 0:64, gate 0:64, up 64:128, gate 64:128, ...]``. The masked
-   path keeps the checkpoint's ``[gate; up]``: ``silu_and_mul_scaled_nvfp4_experts_quantize``
-   applies SiLU to the first half of GEMM 1's output;
-3. :func:`swizzle_block_scales` - the 128x4 block-scale layout (rows padded to 128, scale columns
-   to 4, ``[E, M/128, 4, 32, K/4, 4]`` permuted ``(0, 1, 4, 3, 2, 5)``), the physical storage of
-   :func:`mma_scale_view`, the 6-d view ``(32, 4, M/128, 4, K/4, E)`` both kernels take;
-4. :func:`gemm_alphas` - per-expert ``input_scale * weight_scale_2`` (``weight_scale_2`` alone when
-   activations stay 16-bit), which the kernels multiply into each GEMM's output;
-5. :func:`activation_global_scale` - ``1 / input_scale``, the global scale FlashInfer's NVFP4
-   quantizers take (they quantize ``x * global_scale``).
-
-Nothing here imports FlashInfer; it runs on CPU and on the GPU alike.
+From :class:`moe_runtime.backend_api.ExpertWeights` in the checkpoint's NVFP4 layout to a
+:class:`PreparedExperts` holding exactly the tensors the kernels take, in steps each tested alone:
+:func:`local_experts`, :func:`up_gate_interleaved` (token-major only), :func:`swizzle_block_scales`
+(and its view :func:`mma_scale_view`), :func:`gemm_alphas`, :func:`activation_global_scale`. The
+target layouts and where they were read: README.md, "Weight preparation". Nothing here imports
+FlashInfer.
 """
 
 from __future__ import annotations
