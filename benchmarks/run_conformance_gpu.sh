@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the conformance suite on the triton (and reference) backend with junit output,
 # the worst error/budget ratio per format, and serve-vs-generate greedy on a tiny DeepSeek-V3.
-# Usage on the device machine: bash benchmarks/run_conformance_gpu.sh  (writes under $OUT)
+# Usage on the device machine: bash benchmarks/run_conformance_gpu.sh [BACKEND ...]  (writes under $OUT)
+# Extra backends (humming, reference, ...) run the suite after triton; MOE_GPU_ROUTING=1 adds
+# benchmarks/bench_routing.py.
 # Carried: .whl (server and openai wheels for the image's Python), .gpu_carry/dsv3 (tiny export).
 set -uo pipefail
 OUT="${OUT:-gpu-conformance-out}"
@@ -12,7 +14,7 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install --quiet --no-deps --no-build-isolation --no-index \
-    -e . -e plugins/triton -e plugins/flashinfer_cutedsl -e plugins/deepep 2>&1 | tail -3
+    -e . -e plugins/triton -e plugins/flashinfer_cutedsl -e plugins/deepep -e plugins/humming 2>&1 | tail -3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for b in triton "${@}"; do
     echo "== conformance $b" | tee -a "$OUT/summary.txt"
@@ -49,4 +51,10 @@ if [ -d .gpu_carry/dsv3 ]; then
         --model .gpu_carry/dsv3 --device cuda > "$OUT/greedy.log" 2>&1
     echo "exit $?" | tee -a "$OUT/summary.txt"
     tail -5 "$OUT/greedy.log" | tee -a "$OUT/summary.txt"
+fi
+if [ "${MOE_GPU_ROUTING:-0}" = 1 ]; then
+    echo "== routing benchmark" | tee -a "$OUT/summary.txt"
+    timeout 200 python3 benchmarks/bench_routing.py --out "$OUT" > "$OUT/routing.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/summary.txt"
+    tail -30 "$OUT/routing.log" | tee -a "$OUT/summary.txt"
 fi
