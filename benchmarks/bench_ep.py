@@ -71,12 +71,12 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
+    from moe_runtime.backend_api import ExpertsSetup, LayerProblem
     from moe_runtime.environment import Environment
-    from moe_runtime.layer import build_executor
-    from moe_runtime.manager import Registry
+    from moe_runtime.executor import build_executor
     from moe_runtime.planner import Deployment, PlanError, plan_layer
+    from moe_runtime.plugin.registry import Registry
     from moe_runtime.reference_math import quantize_expert_weights
-    from moe_runtime.runtime import ExpertsSetup, LayerProblem
 
     registry = Registry.load()
     env = Environment.probe(device=device, modules=registry.required_modules())

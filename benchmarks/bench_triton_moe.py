@@ -242,7 +242,7 @@ class LayerWeights:
     """bf16 master weights of the local experts and their fp8 / nvfp4 versions."""
 
     def __init__(self, E, H, I, device, dtype, seed=0):
-        from moe_runtime.runtime import ExpertWeights
+        from moe_runtime.backend_api import ExpertWeights
 
         g = torch.Generator(device=device).manual_seed(seed)
         self.E, self.H, self.I = E, H, I
@@ -257,7 +257,7 @@ class LayerWeights:
         self.device = device
 
     def fp8(self, a13, a2):
-        from moe_runtime.runtime import ExpertWeights
+        from moe_runtime.backend_api import ExpertWeights
 
         if self._fp8 is None:
             E, H, I = self.E, self.H, self.I
@@ -281,7 +281,7 @@ class LayerWeights:
         return self._fp8
 
     def nvfp4(self):
-        from moe_runtime.runtime import ExpertWeights
+        from moe_runtime.backend_api import ExpertWeights
 
         if self._nv is None:
             E, H, I = self.E, self.H, self.I

@@ -27,9 +27,9 @@ def _blocked(args) -> list[str]:
 
 
 def plugin_options(args, environ=None):
-    """The :class:`~moe_runtime.manager.PluginOptions` of a command: the environment variables,
+    """The :class:`~moe_runtime.plugin.manager.PluginOptions` of a command: the environment variables,
     then the global options ``-p no:NAME``, ``--disable-plugin-autoload``, ``--strict-plugins``."""
-    from moe_runtime.manager import PluginOptions
+    from moe_runtime.plugin.manager import PluginOptions
 
     return PluginOptions.from_environ(environ).with_command_line(
         blocked=_blocked(args), disable_autoload=args.disable_plugin_autoload,
@@ -37,7 +37,7 @@ def plugin_options(args, environ=None):
 
 
 def load_registry(args):
-    from moe_runtime.manager import Registry
+    from moe_runtime.plugin.registry import Registry
 
     options = getattr(args, "plugin_options", None) or plugin_options(args)
     return Registry.load(options=options)
@@ -247,7 +247,7 @@ def cmd_plan(args) -> int:
     print(f"check: {'ok' if report.ok else 'memory warning'}; {report.summary}")
     print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
     print_plan_table(plan)
-    from moe_runtime.first_party import degraded_plan_hints
+    from moe_runtime.plugin.first_party import degraded_plan_hints
 
     for line in degraded_plan_hints(lp.problem.name for lp in plan.layers if lp.degradations):
         print(line)
@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from moe_runtime.manager import PluginError
+    from moe_runtime.plugin.manager import PluginError
 
     # The global plugin options travel to every command in one record, args.plugin_options.
     args.plugin_options = plugin_options(args)

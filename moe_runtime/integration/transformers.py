@@ -159,9 +159,9 @@ def load_model(
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.executor import build_executor
-    from moe_runtime.manager import Registry
     from moe_runtime.methods import load_expert_weights
     from moe_runtime.planner import Deployment, Plan, plan_model
+    from moe_runtime.plugin.registry import Registry
     from moe_runtime.reference_math import dequantize_expert_weights
 
     model_dir = Path(model_dir)

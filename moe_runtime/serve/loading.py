@@ -76,7 +76,7 @@ def load_for_serving(
     replaces the tokenizer's; a tokenizer that turns text into no tokens is refused before any
     weight is read. ``generation_config``: ``"auto"`` (the model folder's
     generation_config.json), a folder holding one, or ``None`` (no sampling defaults).
-    ``plugin_options`` (a :class:`~moe_runtime.manager.PluginOptions`, the command line's):
+    ``plugin_options`` (a :class:`~moe_runtime.plugin.manager.PluginOptions`, the command line's):
     how plugins load, for the plan and the model alike (default: the environment variables).
     """
     path = Path(model_dir)
@@ -89,11 +89,11 @@ def load_for_serving(
 
     from moe_runtime.checkpoint import CheckpointError
     from moe_runtime.checkpoint.check import require_sound_checkpoint
+    from moe_runtime.checkpoint.tensors import WeightError
     from moe_runtime.planner import Deployment, PlanError
-    from moe_runtime.tensors import WeightError
 
     deployment = Deployment(experts_backend=moe_runner_backend, comm_backend=moe_a2a_backend)
-    from moe_runtime.manager import Registry
+    from moe_runtime.plugin.registry import Registry
 
     registry = Registry.load(options=plugin_options)
     try:

@@ -13,10 +13,10 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import Dispatched, ExpertsSetup, LayerProblem
 from moe_runtime.backends import cpu_dequantized
 from moe_runtime.backends.cpu_dequantized import CpuDequantizedExperts
-from moe_runtime.builtin import CPU_DEQUANTIZED
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, plan_model
+from moe_runtime.plugin.builtin import CPU_DEQUANTIZED
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
 from moe_runtime.testing.cases import experts_cases
 from moe_runtime.testing.harness import run_experts_case
@@ -40,7 +40,7 @@ def default_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def default_problems(default_model):
     from moe_runtime.checkpoint import read_checkpoint
-    from moe_runtime.model_plan import problems_from_checkpoint
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
 
     return problems_from_checkpoint(read_checkpoint(default_model))
 

@@ -11,8 +11,9 @@ from moe_runtime import CommBackendSpec, CommSupport, hookimpl
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.executor import build_executor
-from moe_runtime.manager import Registry, get_plugin_manager
 from moe_runtime.planner import Deployment, plan_layer
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
 
 # Two modes of the built-in local communication code, declared as one backend: the masked layout

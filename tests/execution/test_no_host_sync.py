@@ -31,7 +31,8 @@ HOST_COPIES = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "_
 
 
 def _registry():
-    from moe_runtime.manager import Registry, get_plugin_manager
+    from moe_runtime.plugin.manager import get_plugin_manager
+    from moe_runtime.plugin.registry import Registry
 
     plugin = types.ModuleType("a2a_two_modes_plugin")
 

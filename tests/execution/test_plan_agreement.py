@@ -58,8 +58,8 @@ def _plan_directly(site):
 
     from moe_runtime.backend_api import LayerProblem
     from moe_runtime.environment import Environment
-    from moe_runtime.manager import Registry
     from moe_runtime.planner import Deployment, plan_model
+    from moe_runtime.plugin.registry import Registry
 
     sys.path.insert(0, site)
     registry = Registry.load(blocked=["humming"], environ={})
@@ -86,7 +86,7 @@ def _worker(rank, world, port, scenario, arg, queue):
 
             env = None
             if rank == 1:  # as if triton were importable here
-                from moe_runtime.manager import Registry
+                from moe_runtime.plugin.registry import Registry
 
                 env = Environment.probe(device="cpu", modules=Registry.load().required_modules())
                 env = attrs.evolve(env, available=env.available ^ {"triton"})

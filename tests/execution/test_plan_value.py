@@ -10,8 +10,8 @@ import torch
 from moe_runtime.checkpoint import read_checkpoint
 from moe_runtime.checkpoint.problems import problems_from_checkpoint
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
 from moe_runtime.planner import Deployment, Plan, PlanError, plan_model
+from moe_runtime.plugin.registry import Registry
 
 
 def _plan(path, **deployment):

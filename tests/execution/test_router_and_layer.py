@@ -62,8 +62,8 @@ def test_moe_layer_with_shared_expert_matches_transformers_block():
     from moe_runtime.backend_api import ExpertWeights, LayerProblem
     from moe_runtime.environment import Environment
     from moe_runtime.executor import MoELayer, build_executor
-    from moe_runtime.manager import Registry
     from moe_runtime.planner import Deployment, plan_layer
+    from moe_runtime.plugin.registry import Registry
 
     cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                            topk_group=1, moe_intermediate_size=16, n_shared_experts=1,

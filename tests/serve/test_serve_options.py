@@ -290,7 +290,7 @@ def test_generation_config_vllm_turns_the_defaults_off(value, expected):
 def test_the_command_lines_plugin_options_reach_the_plan(tmp_path):
     pytest.importorskip("moe_runtime_triton")
     from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
-    from moe_runtime.manager import PluginOptions
+    from moe_runtime.plugin.manager import PluginOptions
     from moe_runtime.serve.loading import LoadError, load_for_serving
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="bf16")

@@ -72,7 +72,7 @@ def test_suite_refuses_to_run_without_a_backend(pytester):
 
 def test_refusals_are_generated_for_undeclared_formats(liar_site, monkeypatch):
     monkeypatch.syspath_prepend(str(liar_site))
-    from moe_runtime.manager import Registry
+    from moe_runtime.plugin.registry import Registry
     from moe_runtime.testing import refusal_cases
 
     reg = Registry.load(environ={})

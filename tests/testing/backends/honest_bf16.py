@@ -7,9 +7,9 @@ payload."""
 import torch
 
 from moe_runtime import formats
+from moe_runtime.backend_api import ExpertsBackend
 from moe_runtime.quant import fake_quantize_fp8, fake_quantize_nvfp4_activation
 from moe_runtime.reference_math import dequantize_expert_weights
-from moe_runtime.runtime import ExpertsBackend
 
 
 class HonestExperts(ExpertsBackend):
