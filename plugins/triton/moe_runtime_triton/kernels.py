@@ -728,3 +728,80 @@ def route_masked_kernel(masked_m_ptr, sorted_ptr, bexp_ptr, M, Mp, E,
     tl.store(sorted_ptr + offs, tl.where(valid, e * M + j, E * M), mask=rmask)
     start = rmask & (offs % BLOCK_M == 0)
     tl.store(bexp_ptr + offs // BLOCK_M, tl.where(valid, e, -1), mask=start)
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch grouped GEMM path: the kernels around torch's grouped GEMMs (ops._torch_grouped_path)
+# ----------------------------------------------------------------------------------------------
+#
+# Rows are (token, expert) pairs sorted by expert, unpadded; ``n_ptr`` holds the number of valid
+# rows (the last of the offsets the grouped GEMMs take), rows past it are never written or read.
+
+
+@triton.jit(do_not_specialize=["P"])
+def gather_rows_kernel(x_ptr, order_ptr, n_ptr, out_ptr, scale_ptr, P, H, stride_xm, stride_om,
+                       TOPK: tl.constexpr, QUANT: tl.constexpr, EXACT: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[r] = x[order[r] // TOPK]`` for the valid rows, quantized to fp8 with ``scale`` when
+    ``QUANT``."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n = tl.load(n_ptr)
+    rmask = (rows < P) & (rows < n)
+    pair = tl.load(order_ptr + rows, mask=rmask, other=0)
+    tok = (pair // TOPK).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = rmask[:, None] & (offs < H)[None, :]
+    v = tl.load(x_ptr + tok[:, None] * stride_xm + offs[None, :], mask=m, other=0.0)
+    if QUANT:
+        sc = tl.load(scale_ptr)
+        v = _quant_fp8(v, sc, 1.0 / sc, EXACT)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["P"])
+def act_mul_kernel(gu_ptr, h_ptr, n_ptr, scale_ptr, P, I, stride_gm, stride_hm,
+                   ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_I: tl.constexpr):
+    """``h[r, i] = act(gu[r, i]) * gu[r, I + i]`` in float32 for the valid rows (quantized to fp8
+    with ``scale`` when ``OUT_FP8``)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    n = tl.load(n_ptr)
+    rmask = (rows < P) & (rows < n)
+    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    m = rmask[:, None] & (offs < I)[None, :]
+    g_ptrs = gu_ptr + rows.to(tl.int64)[:, None] * stride_gm + offs[None, :]
+    g = tl.load(g_ptrs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(g_ptrs + I, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        h = g / (1.0 + tl.exp(-g)) * u
+    else:
+        h = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs[None, :]
+    if OUT_FP8:
+        sc = tl.load(scale_ptr)
+        tl.store(h_ptrs, _quant_fp8(h, sc, 1.0 / sc, EXACT), mask=m)
+    else:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def combine_sorted_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, H, E, stride_ym, stride_om,
+                          TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t] = sum_k w[t, k] * y[pos[t * TOPK + k]]`` over the valid ``k``, in that order, in
+    float32 (deterministic); ``pos`` is the sorted row of each pair."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    zero = tl.zeros([BLOCK_H], dtype=tl.int32)
+    for k in tl.static_range(TOPK):
+        p = t * TOPK + k
+        e = tl.load(ids_ptr + p + zero)
+        ok = hmask & (e >= 0) & (e < E)
+        row = tl.load(pos_ptr + p + zero, mask=ok, other=0).to(tl.int64)
+        wt = tl.load(w_ptr + p + zero, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + row * stride_ym + offs, mask=ok, other=0.0)
+        acc += tl.where(ok, v.to(tl.float32) * wt, 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty),
+             mask=hmask)

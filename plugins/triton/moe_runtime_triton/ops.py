@@ -21,8 +21,9 @@ import triton.language as tl
 
 from moe_runtime import formats as F
 from moe_runtime.backend_api import ExpertWeights
+from moe_runtime.dtypes import torch_dtype
 from moe_runtime_triton import kernels as K
-from moe_runtime_triton.plugin import TRITON_EXPERTS
+from moe_runtime_triton.plugin import TORCH_GROUPED_GEMMS, TRITON_EXPERTS
 
 _FMT_CODE = {F.BF16: K.WFMT_16BIT, F.FP16: K.WFMT_16BIT, F.FP8_W8A8: K.WFMT_FP8,
              F.NVFP4_W4A16: K.WFMT_NVFP4, F.NVFP4_W4A4: K.WFMT_NVFP4}
@@ -42,6 +43,10 @@ EXACT_FP8 = INTERPRET
 # inline PTX for the NVFP4 decode on GPUs; the interpreter runs the portable form
 USE_ASM = not INTERPRET
 CONFIG_FILE = Path(__file__).with_name("configs.json")
+# torch grouped GEMM path (plugin.TORCH_GROUPED_GEMMS): "0" never, "1" on every token-major call
+# where it can run (e.g. for the conformance suite at small shapes), unset: where the config says
+GROUPED_MM_ENV = "MOE_TRITON_GROUPED_MM"
+GROUPED_MM_MODES = ("", "0", "1")
 
 
 @attrs.frozen
@@ -391,6 +396,9 @@ def fused_moe_prepared(
     topk_weights = topk_weights.contiguous()
 
     cfg = config or get_config(pw.run_as, E, H, I, topk, N)
+    if wants_torch_grouped(cfg) and torch_grouped_unavailable(pw, hidden.device) is None:
+        _torch_grouped_path(hidden, hidden_scale, topk_ids, topk_weights, pw, out, go)
+        return out
     if cfg.get("decode"):
         _decode_path(hidden, topk_ids, topk_weights, pw, cfg, out, go, hidden_scale)
         return out
@@ -577,6 +585,132 @@ def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict,
     ))
 
 
+# ----------------------------------------------------------------------------------------------
+# Torch grouped GEMM path (plugin.TORCH_GROUPED_GEMMS)
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_mm_mode() -> str:
+    """``MOE_TRITON_GROUPED_MM``: ``"0"`` never, ``"1"`` wherever it can run, unset or empty: where
+    the tile config (the tuned table's entry) has ``"grouped_mm": true``."""
+    mode = os.environ.get(GROUPED_MM_ENV, "").strip()
+    if mode not in GROUPED_MM_MODES:
+        raise ValueError(f"{GROUPED_MM_ENV}={mode!r}: accepted values are '0' (never), '1' (every "
+                         "call where torch's grouped GEMM can run) or unset (the tuned table)")
+    return mode
+
+
+def wants_torch_grouped(cfg: dict) -> bool:
+    """Whether a call with this config asks for the torch grouped GEMM path."""
+    mode = grouped_mm_mode()
+    return mode == "1" or (mode == "" and bool(cfg.get("grouped_mm")))
+
+
+def torch_grouped_unavailable(pw: PreparedWeights, device) -> str | None:
+    """Why the torch grouped GEMM path cannot run these weights on ``device`` (``None``: it can)."""
+    device = torch.device(device)
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return _grouped_unavailable(pw.run_as, pw.hidden_size, pw.intermediate_size, pw.w13.dtype,
+                                device.type, cap)
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped_unavailable(run_as, H, I, dtype, device_type, cap) -> str | None:
+    spec = TORCH_GROUPED_GEMMS.get(run_as)
+    if spec is None:
+        return (f"{run_as} has no torch grouped GEMM path (declared for "
+                f"{sorted(TORCH_GROUPED_GEMMS)})")
+    if not hasattr(torch, spec.op):
+        return f"torch {torch.__version__} has no torch.{spec.op}"
+    if H % spec.size_multiple or I % spec.size_multiple:
+        return (f"torch.{spec.op} needs hidden and intermediate sizes divisible by "
+                f"{spec.size_multiple}, got {H} and {I}")
+    if device_type == "cpu":
+        return None  # torch's CPU grouped GEMM (tests; fp8 through the portable form)
+    if device_type != "cuda":
+        return f"no torch grouped GEMM path on {device_type}"
+    if not any(r.contains(cap) for r in spec.cuda_capabilities):
+        return (f"torch.{spec.op} runs without a host synchronisation on compute capability "
+                f"{', '.join(r.describe() for r in spec.cuda_capabilities)}; this GPU has "
+                f"{cap[0]}.{cap[1]}")
+    if dtype != torch_dtype(spec.compute):
+        return f"torch.{spec.op} runs {spec.compute} operands here, the weights are {dtype}"
+    return None
+
+
+def _grouped_gemm(op: str, a, b, offs, scale_a=None, scale_b=None):
+    """``a [M, K]`` rows grouped by ``offs`` (cumulative ends, int32) times ``b [G, K, N]``
+    (a transposed view of the ``[G, N, K]`` weights). Rows past ``offs[-1]`` are left unwritten."""
+    if op == "_grouped_mm":
+        return torch._grouped_mm(a, b, offs=offs)
+    if a.device.type != "cpu":
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    # CPU (tests): no kernel there; the same product from the exact fp8 values in float32
+    prod = torch._grouped_mm(a.float(), b.float(), offs=offs)
+    rows = torch.arange(a.shape[0], device=a.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True).clamp_(max=b.shape[0] - 1)
+    return prod * scale_a[:, None] * scale_b[group]
+
+
+def _torch_grouped_path(hidden, hidden_scale, topk_ids, topk_weights, pw: PreparedWeights, out,
+                        go) -> None:
+    """Both GEMMs through torch's grouped GEMM: pairs sorted by expert (stable, unpadded; pairs of
+    other ranks last and unused), their rows gathered (and quantized for fp8), GEMM 1, the
+    activation (fp8: quantized with ``a2_scale``), GEMM 2, then the weighted combine in float32 in
+    a fixed order. No host synchronisation."""
+    N, H = hidden.shape
+    E, I = pw.num_experts, pw.intermediate_size
+    spec = TORCH_GROUPED_GEMMS[pw.run_as]
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    P = N * topk
+    dev = hidden.device
+    fp8 = spec.op == "_scaled_grouped_mm"
+    flat = topk_ids.reshape(-1)
+    # newer torch reads a 1-D scale of exactly G elements as per-tensor: keep M != G
+    M = P + 1 if fp8 and P == E else P
+    st = {}
+
+    def route():
+        key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
+        skey, order = torch.sort(key, stable=True)
+        bounds = torch.arange(1, E + 1, device=dev, dtype=skey.dtype)
+        st["offs"] = torch.searchsorted(skey, bounds, out_int32=True)
+        st["order"] = order
+        st["pos"] = torch.empty_like(order).scatter_(
+            0, order, torch.arange(P, device=dev, dtype=order.dtype))
+    go("route", route)
+    offs, order, pos = st["offs"], st["order"], st["pos"]
+    n_valid = offs[E - 1:]
+
+    quant = fp8 and hidden.dtype != torch.float8_e4m3fn
+    a_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
+    a = torch.empty((M, H), dtype=a_dtype, device=dev)
+    a_scale = (hidden_scale.reshape(1).to(torch.float32) if fp8 and not quant else pw.a13_scale)
+    bh = min(1024, max(16, _p2(H)))
+    rows = 4
+    go("gather", lambda: K.gather_rows_kernel[(triton.cdiv(P, rows), triton.cdiv(H, bh))](
+        hidden, order, n_valid, a, a_scale if quant else n_valid, P, H, hidden.stride(0),
+        a.stride(0), TOPK=topk, QUANT=quant, EXACT=EXACT_FP8, ROWS=rows, BLOCK_H=bh,
+        num_warps=4))
+    sa1 = a_scale.expand(M).contiguous() if fp8 else None
+    sa2 = pw.a2_scale.expand(M).contiguous() if fp8 else None
+    go("gemm1", lambda: st.__setitem__("gu", _grouped_gemm(
+        spec.op, a, pw.w13.transpose(1, 2), offs, sa1, pw.w13_scale)))
+    gu = st["gu"]
+    h = torch.empty((M, I), dtype=torch.float8_e4m3fn if fp8 else gu.dtype, device=dev)
+    bi = min(1024, max(16, _p2(I)))
+    go("act", lambda: K.act_mul_kernel[(triton.cdiv(P, rows), triton.cdiv(I, bi))](
+        gu, h, n_valid, pw.a2_scale if fp8 else n_valid, P, I, gu.stride(0), h.stride(0),
+        ACT=_ACT[pw.activation], OUT_FP8=fp8, EXACT=EXACT_FP8, ROWS=rows, BLOCK_I=bi,
+        num_warps=4))
+    go("gemm2", lambda: st.__setitem__("y", _grouped_gemm(
+        spec.op, h, pw.w2.transpose(1, 2), offs, sa2, pw.w2_scale)))
+    y = st["y"]
+    go("combine", lambda: K.combine_sorted_kernel[(N, triton.cdiv(H, bh))](
+        y, pos, topk_ids, topk_weights, out, H, E, y.stride(0), out.stride(0), TOPK=topk,
+        BLOCK_H=bh, num_warps=4))
+
+
 def fused_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -594,10 +728,12 @@ def fused_moe(
 def describe_config(cfg: dict[str, Any]) -> str:
     if cfg.get("decode"):
         d1, d2 = cfg["d1"], cfg["d2"]
-        return (f"decode d1[N{d1['BLOCK_N']} K{d1['BLOCK_K']} w{d1['num_warps']} s{d1['num_stages']}] "
+        return (("grouped_mm, else " if cfg.get("grouped_mm") else "")
+                + f"decode d1[N{d1['BLOCK_N']} K{d1['BLOCK_K']} w{d1['num_warps']} s{d1['num_stages']}] "
                 f"d2[N{d2['BLOCK_N']} K{d2['BLOCK_K']} w{d2['num_warps']} s{d2['num_stages']}]")
     g1, g2 = cfg["g1"], cfg["g2"]
     return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
             f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
-            + (" preq" if cfg.get("a_prequant") else ""))
+            + (" preq" if cfg.get("a_prequant") else "")
+            + (" grouped_mm" if cfg.get("grouped_mm") else ""))

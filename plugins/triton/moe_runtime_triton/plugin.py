@@ -6,6 +6,8 @@ modules (the factory is the lazy string below).
 
 from __future__ import annotations
 
+import attrs
+
 from moe_runtime import formats as F
 from moe_runtime.declarations import (
     CapabilityRange,
@@ -16,6 +18,32 @@ from moe_runtime.declarations import (
 from moe_runtime.plugin.hookspecs import hookimpl
 
 ACTIVATIONS = (F.SILU, F.GELU)
+
+
+@attrs.frozen
+class TorchGroupedGemm:
+    """A large-batch path of this backend: both grouped GEMMs through torch's own (CUTLASS) grouped
+    GEMM op, with this package's routing, activation and combine around them.
+
+    Taken per call where the tuned table (``configs.json``, an entry's ``"grouped_mm": true``) or
+    ``MOE_TRITON_GROUPED_MM=1`` asks for it and everything below holds; otherwise the Triton GEMMs
+    run. ``op``: the ``torch`` attribute; ``compute``: the operands' torch dtype name;
+    ``cuda_capabilities``: where torch runs the op without a host synchronisation (torch 2.9-2.11:
+    CUTLASS on 9.0 and 10.0; elsewhere it loops over groups on the host); ``size_multiple``: the
+    hidden and intermediate sizes must be multiples of it (16-byte rows; fp8 K and N by 16)."""
+
+    op: str
+    compute: str
+    cuda_capabilities: tuple[CapabilityRange, ...]
+    size_multiple: int
+
+
+_CUTLASS_GROUPED = (CapabilityRange.exactly("9.0"), CapabilityRange.exactly("10.0"))
+TORCH_GROUPED_GEMMS = {
+    F.BF16: TorchGroupedGemm("_grouped_mm", "bfloat16", _CUTLASS_GROUPED, 8),
+    # rowwise scales: the activations' per-tensor scale repeated per row, the weights' per channel
+    F.FP8_W8A8: TorchGroupedGemm("_scaled_grouped_mm", "float8_e4m3fn", _CUTLASS_GROUPED, 16),
+}
 
 
 def _cuda(min_cap: str) -> Hardware:
@@ -30,13 +58,15 @@ TRITON_EXPERTS = ExpertsBackendSpec(
         Support(
             formats=(F.BF16, F.FP16), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED,), hardware=_cuda("8.0"),
-            note="Triton grouped GEMMs, BF16/FP16 tensor cores",
+            note="Triton grouped GEMMs, BF16/FP16 tensor cores; bf16 batches the tuned table "
+                 "marks run torch's grouped GEMM (CUTLASS, compute capability 9.0/10.0)",
         ),
         Support(
             formats=(F.FP8_W8A8,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
             payloads=(F.UNQUANTIZED, F.FP8), hardware=_cuda("8.9"),
             note="Triton grouped GEMMs on FP8 tensor cores; activations quantized per tensor "
-                 "with the checkpoint's input scales",
+                 "with the checkpoint's input scales; batches the tuned table marks run torch's "
+                 "scaled grouped GEMM (CUTLASS, compute capability 9.0/10.0)",
         ),
         Support(
             formats=(F.NVFP4_W4A16,), activations=ACTIVATIONS, layouts=(F.TOKEN_MAJOR, F.MASKED),
