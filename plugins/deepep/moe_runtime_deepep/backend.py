@@ -20,9 +20,9 @@ from moe_runtime_deepep import limits
 from moe_runtime_deepep.api import BufferApi, inspect_buffer_api
 from moe_runtime_deepep.plugin import MODE_LOW_LATENCY, MODE_NORMAL, mode_for_layout
 from moe_runtime_deepep.settings import (
-    ENV_AGREE,
     ENV_LL_MAX_TOKENS,
     ENV_LL_OVERSIZE,
+    ENV_LL_SPLIT_MAX_TOKENS,
     DeepEPSettings,
 )
 
@@ -32,7 +32,7 @@ class DeepEPError(RuntimeError):
 
 
 class DeepEPTokenBoundError(DeepEPError):
-    """A low-latency batch is above the per-rank bound and the policy is to refuse it."""
+    """A rank's low-latency batch is above the bound its layer was built for."""
 
 
 @attrs.frozen
@@ -55,6 +55,20 @@ class LowLatencyHandle:
     merge: L.MergeInfo | None = attrs.field(eq=False)
     num_tokens: int
     dtype: torch.dtype
+    refused: str | None = None  # why this rank's batch was not sent; combine raises it
+
+
+def low_latency_bounds(plan_bound: int, settings: DeepEPSettings) -> tuple[int, int, int]:
+    """``(tokens per call, tokens per forward, rounds per forward)`` of a low-latency layer.
+
+    From numbers every rank has at start-up (the plan's bound and the settings), so every rank
+    runs the same number of rounds without agreeing on it in the forward.
+    """
+    per_call = min(plan_bound, settings.ll_max_tokens_per_rank)
+    if settings.ll_oversize != "split":
+        return per_call, per_call, 1
+    per_forward = min(plan_bound, settings.ll_split_max_tokens_per_rank)
+    return per_call, per_forward, limits.rounds_for(per_forward, per_call)
 
 
 @attrs.define
@@ -80,6 +94,11 @@ class DeepEPComm(CommBackend):
     :param buffer: a ``deep_ep.Buffer`` to use (or a stand-in with its methods); by default one is
         created (or reused) for the group and mode, sized for this layer.
     :param settings: run-time policies; by default read from the environment.
+
+    A low-latency forward makes no device-to-host copy and no collective besides DeepEP's own
+    calls: its bounds are fixed when it is built (:func:`low_latency_bounds`). A rank whose batch
+    is above them sends DeepEP an empty batch, so that its peers finish the forward, and its
+    ``combine`` raises :class:`DeepEPTokenBoundError`.
     """
 
     def __init__(self, *, setup, buffer=None, settings: DeepEPSettings | None = None) -> None:
@@ -90,10 +109,11 @@ class DeepEPComm(CommBackend):
         self.world, self.rank = setup.ep_size, setup.ep_rank
         self.num_experts, self.hidden, self.top_k = p.num_experts, p.hidden_size, p.top_k
         self.payload = setup.payload
-        # DeepEP's num_max_dispatch_tokens_per_rank: the plan's bound, capped by the declared one
-        # (a plan that chose low-latency mode has the former at or below the latter).
-        self.bound = (min(setup.max_tokens_per_rank, self.settings.ll_max_tokens_per_rank)
-                      if self.mode == MODE_LOW_LATENCY else None)
+        # bound: DeepEP's num_max_dispatch_tokens_per_rank, the plan's bound capped by the
+        # setting; forward_bound: the most tokens per rank of one forward, in `rounds` calls.
+        self.bound, self.forward_bound, self.rounds = (
+            low_latency_bounds(setup.max_tokens_per_rank, self.settings)
+            if self.mode == MODE_LOW_LATENCY else (None, None, 1))
         problems = limits.check_layer(
             mode=self.mode, world=self.world, num_experts=p.num_experts, top_k=p.top_k,
             hidden=p.hidden_size, dtype=p.dtype, payload=setup.payload,
@@ -241,41 +261,28 @@ class DeepEPComm(CommBackend):
 
     # ------------------------------------------------------------------ low-latency mode
 
-    def _agreed_max_tokens(self, n: int) -> int:
-        """The largest batch of any rank (one all-reduce), or ``n`` when agreement is off."""
-        if not self.settings.agree_on_batch:
-            return n
-        import torch.distributed as dist
-
-        group = self.group
-        device = "cpu"
-        if dist.get_backend(group) != "gloo":
-            device = torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
-
-    def _bound_message(self, n: int, largest: int) -> str:
+    def _bound_message(self, n: int) -> str:
+        s = self.settings
+        if s.ll_oversize == "split":
+            built = (f"{self.rounds} rounds of at most {self.bound} ({ENV_LL_OVERSIZE}=split, "
+                     f"{ENV_LL_SPLIT_MAX_TOKENS}={s.ll_split_max_tokens_per_rank}, capped by the "
+                     f"plan's --max-tokens-per-rank)")
+            remedy = f"or raise {ENV_LL_SPLIT_MAX_TOKENS} and plan again"
+        else:
+            built = (f"DeepEP's num_max_dispatch_tokens_per_rank: the plan's "
+                     f"--max-tokens-per-rank, at most {ENV_LL_MAX_TOKENS}="
+                     f"{s.ll_max_tokens_per_rank}")
+            remedy = (f"plan with a larger --max-tokens-per-rank (up to {ENV_LL_MAX_TOKENS}), "
+                      f"or set {ENV_LL_OVERSIZE}=split and {ENV_LL_SPLIT_MAX_TOKENS}=<the largest "
+                      "batch per rank> to run bounded rounds")
         return (
-            f"layer {self.setup.problem.name}: a low-latency batch of {largest} tokens on one rank "
-            f"(this rank has {n}) is above DeepEP's per-rank bound of {self.bound} tokens "
-            f"(num_max_dispatch_tokens_per_rank, the plan's --max-tokens-per-rank; the declared "
-            f"maximum is {ENV_LL_MAX_TOKENS}={self.settings.ll_max_tokens_per_rank}). Keep batches "
-            f"within it, plan with a larger --max-tokens-per-rank (up to {ENV_LL_MAX_TOKENS}), or "
-            f"set {ENV_LL_OVERSIZE}=split to run bounded rounds"
+            f"layer {self.setup.problem.name}: this rank's low-latency batch of {n} tokens is "
+            f"above the bound of {self.forward_bound} tokens per rank the layer was built for "
+            f"({built}). This rank sent DeepEP no tokens, so the other ranks finished the "
+            "forward without it. Keep every forward within the plan's bound (an engine passes "
+            "its per-forward bound to the executor as max_tokens_per_rank=, which then picks a "
+            f"mode that admits it), {remedy}"
         )
-
-    def _rounds(self, n: int) -> int:
-        largest = self._agreed_max_tokens(n)
-        if largest <= self.bound:
-            return 1
-        if not self.settings.agree_on_batch or self.settings.ll_oversize == "refuse":
-            msg = self._bound_message(n, largest)
-            if not self.settings.agree_on_batch:
-                msg += (f". With {ENV_AGREE}=0 only this rank knows; the other ranks wait in "
-                        "DeepEP until its own timeout")
-            raise DeepEPTokenBoundError(msg)
-        return limits.rounds_for(largest, self.bound)
 
     def _ll_dispatch_one(self, x, idx):
         kwargs = {}
@@ -291,19 +298,22 @@ class DeepEPComm(CommBackend):
         if self.payload != F.UNQUANTIZED:
             raise DeepEPError(f"deepep low-latency mode carries unquantized payloads, not "
                               f"{self.payload}")
-        n = hidden.shape[0]
-        rounds = self._rounds(n)
+        n = hidden.shape[0]  # a shape: host metadata, not a device-to-host copy
+        refused = None
+        if n > self.forward_bound:
+            refused = self._bound_message(n)
+            hidden, topk_ids, topk_weights, n = hidden[:0], topk_ids[:0], topk_weights[:0], 0
         x_all = hidden.to(torch.bfloat16).contiguous()
         idx_all = topk_ids.to(self.topk_dtype).contiguous()
         w_all = topk_weights.to(torch.float32).contiguous()
-        if rounds == 1:
+        if self.rounds == 1:
             recv_x, recv_count, handle = self._ll_dispatch_one(x_all, idx_all)
             d = Dispatched(F.MASKED, recv_x, masked_m=recv_count.to(torch.int32),
                            out_dtype=hidden.dtype)
             return d, LowLatencyHandle((LowLatencyRound(handle, idx_all, w_all),), None, n,
-                                       hidden.dtype)
+                                       hidden.dtype, refused)
         parts, counts, done = [], [], []
-        for start, stop in L.chunk_spans(n, self.bound, rounds):
+        for start, stop in L.chunk_spans(n, self.bound, self.rounds):
             x, idx = x_all[start:stop], idx_all[start:stop]
             recv_x, recv_count, handle = self._ll_dispatch_one(x, idx)
             # DeepEP's results live in two alternating buffers: copy before the next round.
@@ -312,7 +322,7 @@ class DeepEPComm(CommBackend):
             done.append(LowLatencyRound(handle, idx, w_all[start:stop]))
         merged, masked_m, info = L.merge_masked_chunks(parts, counts)
         d = Dispatched(F.MASKED, merged, masked_m=masked_m, out_dtype=hidden.dtype)
-        return d, LowLatencyHandle(tuple(done), info, n, hidden.dtype)
+        return d, LowLatencyHandle(tuple(done), info, n, hidden.dtype, refused)
 
     def _combine_low_latency(self, expert_out, handle: LowLatencyHandle):
         out = expert_out.to(torch.bfloat16)
@@ -322,6 +332,8 @@ class DeepEPComm(CommBackend):
             combined, _, _ = self.buffer.low_latency_combine(
                 piece.contiguous(), rnd.topk_idx, rnd.topk_weights, rnd.deep_handle)
             results.append(combined[: rnd.topk_idx.shape[0]])
+        if handle.refused is not None:
+            raise DeepEPTokenBoundError(handle.refused)
         result = results[0] if len(results) == 1 else torch.cat(results, 0)
         return result.to(handle.dtype)
 

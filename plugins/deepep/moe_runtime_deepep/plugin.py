@@ -45,7 +45,7 @@ def build_spec(settings: DeepEPSettings | None = None) -> CommBackendSpec:
             layout=F.MASKED,
             payloads=(F.UNQUANTIZED,),
             world_sizes=ll_sizes,
-            max_tokens_per_rank=settings.ll_max_tokens_per_rank,
+            max_tokens_per_rank=low_latency_bound(settings),
             hardware=HOPPER_PLUS,
             mode=MODE_LOW_LATENCY,
         ),
@@ -58,13 +58,27 @@ def build_spec(settings: DeepEPSettings | None = None) -> CommBackendSpec:
             mode=MODE_NORMAL,
         ),
     ]
+    description = DESCRIPTION
+    if settings.ll_oversize == "split":
+        rounds = limits.rounds_for(settings.ll_split_max_tokens_per_rank,
+                                   settings.ll_max_tokens_per_rank)
+        description += (f" Split: every low-latency forward runs {rounds} rounds of at most "
+                        f"{settings.ll_max_tokens_per_rank} tokens per rank.")
     return CommBackendSpec(
         name=NAME,
         factory=FACTORY,
         supports=tuple(modes),
         priority=20,
-        description=DESCRIPTION,
+        description=description,
     )
+
+
+def low_latency_bound(settings: DeepEPSettings) -> int:
+    """The most tokens per rank a low-latency forward carries: one call's bound, or under
+    ``split`` the bound of all its rounds."""
+    if settings.ll_oversize == "split":
+        return settings.ll_split_max_tokens_per_rank
+    return settings.ll_max_tokens_per_rank
 
 
 def mode_for_layout(layout: str) -> str:

@@ -14,7 +14,10 @@ from moe_runtime_deepep import limits
 
 ENV_LL_MAX_TOKENS = "MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK"
 ENV_LL_OVERSIZE = "MOE_RUNTIME_DEEPEP_LL_OVERSIZE"
-ENV_AGREE = "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH"
+ENV_LL_SPLIT_MAX_TOKENS = "MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK"
+#: Read only to refuse it: the per-forward agreement on batch sizes (an all-reduce and a host sync
+#: in every low-latency forward) was removed; bounds are fixed at start-up instead.
+ENV_AGREE_REMOVED = "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH"
 ENV_NUM_SMS = "MOE_RUNTIME_DEEPEP_NUM_SMS"
 ENV_ALLOW_NVLINK_LL = "MOE_RUNTIME_DEEPEP_ALLOW_NVLINK_LL"
 ENV_LL_HIDDEN_SIZES = "MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES"
@@ -54,11 +57,21 @@ def _bool(environ, name: str, default: bool | None) -> bool | None:
 
 @attrs.frozen
 class DeepEPSettings:
-    """The plugin's settings (see the module docstring for the variables)."""
+    """The plugin's settings (README.md, "Settings", lists the variables).
+
+    :param ll_max_tokens_per_rank: tokens per rank of one low-latency call (DeepEP's
+        ``num_max_dispatch_tokens_per_rank``); the low-latency mode's declared bound under
+        ``refuse``.
+    :param ll_oversize: ``refuse`` a batch above that bound, or ``split`` batches of up to
+        ``ll_split_max_tokens_per_rank`` into a fixed number of bounded rounds.
+    :param ll_split_max_tokens_per_rank: under ``split``, the low-latency mode's declared bound:
+        every forward runs ``ceil(it / ll_max_tokens_per_rank)`` rounds on every rank, a number
+        every rank knows at start-up, so no forward has to agree on it.
+    """
 
     ll_max_tokens_per_rank: int = limits.DEFAULT_LOW_LATENCY_MAX_TOKENS_PER_RANK
     ll_oversize: str = "refuse"
-    agree_on_batch: bool = True
+    ll_split_max_tokens_per_rank: int | None = None
     num_sms: int | None = None
     allow_nvlink_for_low_latency: bool | None = None
     ll_hidden_sizes: tuple[int, ...] = limits.LOW_LATENCY_HIDDEN_SIZES
@@ -69,11 +82,7 @@ class DeepEPSettings:
             raise SettingsError(
                 f"{ENV_LL_OVERSIZE}={self.ll_oversize!r}: use one of {', '.join(OVERSIZE_POLICIES)}"
             )
-        if self.ll_oversize == "split" and not self.agree_on_batch:
-            raise SettingsError(
-                f"{ENV_LL_OVERSIZE}=split needs {ENV_AGREE}=1: ranks must agree on the number of "
-                "low-latency rounds, or the ones with fewer rounds leave the others waiting"
-            )
+        self._check_split()
         limit = limits.max_low_latency_tokens(self.qp_depth)
         if not 1 <= self.ll_max_tokens_per_rank <= limit:
             raise SettingsError(
@@ -83,6 +92,27 @@ class DeepEPSettings:
             )
         if self.num_sms is not None and self.num_sms % 2:
             raise SettingsError(f"{ENV_NUM_SMS}={self.num_sms}: DeepEP needs an even SM count")
+
+    def _check_split(self) -> None:
+        split_max = self.ll_split_max_tokens_per_rank
+        if self.ll_oversize == "split" and split_max is None:
+            raise SettingsError(
+                f"{ENV_LL_OVERSIZE}=split needs {ENV_LL_SPLIT_MAX_TOKENS}: the largest batch per "
+                "rank a forward sends (the engine's max tokens per forward). Every rank runs "
+                "ceil(it / bound) low-latency rounds in every forward, so the number of rounds is "
+                "known on every rank without synchronising"
+            )
+        if self.ll_oversize != "split" and split_max is not None:
+            raise SettingsError(
+                f"{ENV_LL_SPLIT_MAX_TOKENS}={split_max} is read only with {ENV_LL_OVERSIZE}=split "
+                f"(it is {self.ll_oversize!r}): set both, or neither"
+            )
+        if split_max is not None and split_max <= self.ll_max_tokens_per_rank:
+            raise SettingsError(
+                f"{ENV_LL_SPLIT_MAX_TOKENS}={split_max} must be above {ENV_LL_MAX_TOKENS}="
+                f"{self.ll_max_tokens_per_rank} (one round already holds such batches: use "
+                f"{ENV_LL_OVERSIZE}=refuse)"
+            )
 
     @classmethod
     def from_env(cls, environ=None) -> DeepEPSettings:
@@ -97,11 +127,19 @@ class DeepEPSettings:
                 ) from None
         else:
             sizes = limits.LOW_LATENCY_HIDDEN_SIZES
+        if _bool(environ, ENV_AGREE_REMOVED, False):
+            raise SettingsError(
+                f"{ENV_AGREE_REMOVED} is no longer read: a low-latency forward makes no "
+                "per-forward agreement on batch sizes (that was an all-reduce and a host sync in "
+                "every forward). A batch above the bound is refused by the rank that has it; "
+                f"for bounded rounds set {ENV_LL_OVERSIZE}=split and {ENV_LL_SPLIT_MAX_TOKENS}. "
+                "Unset it (or set 0)"
+            )
         return cls(
             ll_max_tokens_per_rank=_int(environ, ENV_LL_MAX_TOKENS,
                                         limits.DEFAULT_LOW_LATENCY_MAX_TOKENS_PER_RANK, minimum=1),
             ll_oversize=environ.get(ENV_LL_OVERSIZE, "refuse").strip().lower() or "refuse",
-            agree_on_batch=_bool(environ, ENV_AGREE, True),
+            ll_split_max_tokens_per_rank=_int(environ, ENV_LL_SPLIT_MAX_TOKENS, None, minimum=2),
             num_sms=_int(environ, ENV_NUM_SMS, None, minimum=2),
             allow_nvlink_for_low_latency=_bool(environ, ENV_ALLOW_NVLINK_LL, None),
             ll_hidden_sizes=sizes,

@@ -231,30 +231,132 @@ def low_latency_matches_reference(rank, world, n_tokens, max_tokens):
     return buf.calls
 
 
-def low_latency_oversize(rank, world, n_tokens, max_tokens, policy):
-    """A batch above the bound on some rank: refused on every rank alike, or run in rounds."""
+class HostSyncCounter:
+    """While active, records every host read of a tensor (``.item()``, ``.tolist()``, ``int(t)``,
+    ...) and every ``torch.distributed`` collective, with the file that called it.
+
+    The simulation's own calls (its gloo all-to-all, its Python loops) stand for DeepEP's kernels
+    and are recorded too, which shows the counter sees inside the forward.
+    """
+
+    READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
+    COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                   "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+                   "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+                   "all_to_all_single", "send", "recv", "isend", "irecv")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []  # (name, calling file)
+        self._undo: list = []
+
+    def _wrap(self, owner, name):
+        original = getattr(owner, name)
+        own = name in vars(owner)
+        calls = self.calls
+
+        def counted(*args, **kwargs):
+            import sys
+
+            calls.append((name, sys._getframe(1).f_code.co_filename))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        self._undo.append((owner, name, original if own else None))
+
+    def __enter__(self):
+        for name in self.READS:
+            self._wrap(torch.Tensor, name)
+        for name in self.COLLECTIVES:
+            if hasattr(dist, name):
+                self._wrap(dist, name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+    def by(self, path_part: str) -> list[str]:
+        return [name for name, file in self.calls if path_part in file]
+
+
+def low_latency_forward_without_host_sync(rank, world, n_tokens, settings_kw, max_tokens):
+    """A low-latency forward (dispatch, experts, combine) makes no host read and no collective of
+    its own: only the simulated DeepEP calls exchange anything."""
+    import moe_runtime_deepep
+
     p = problem(num_experts=2 * world, top_k=2)
     gw = global_weights(p)
     hidden, ids, w = tokens(p, n_tokens[rank], rank)
-    settings = DeepEPSettings(ll_hidden_sizes=SMALL_HIDDEN, ll_oversize=policy)
-    comm, buf = deepep(p, rank, world, F.MASKED, max_tokens=max_tokens, settings=settings)
-    if policy == "refuse":
-        try:
-            comm.dispatch(hidden, ids, w)
-        except DeepEPTokenBoundError as exc:
-            assert buf.calls == [], "refused only after DeepEP was called"
-            return str(exc)
-        raise AssertionError("an oversized low-latency batch was not refused")
     want = reference_local_masked(p, hidden, ids, w)
-    d, h = comm.dispatch(hidden, ids, w)
+    settings = DeepEPSettings(ll_hidden_sizes=SMALL_HIDDEN, **settings_kw)
+    comm, buf = deepep(p, rank, world, F.MASKED, max_tokens=max_tokens, settings=settings)
     ex = experts(p, rank, world, F.MASKED, F.UNQUANTIZED, local_weights(gw, rank, world))
-    got = comm.combine(ex.forward(d), h)
+    with HostSyncCounter() as counter:
+        d, h = comm.dispatch(hidden, ids, w)
+        out = ex.forward(d)
+        got = comm.combine(out, h)
+    plugin_dir = moe_runtime_deepep.__path__[0]
+    assert counter.by(plugin_dir) == [], counter.by(plugin_dir)
+    collectives = [(n, f) for n, f in counter.calls if n in HostSyncCounter.COLLECTIVES]
+    assert collectives and all(f == deepep_sim.__file__ for _, f in collectives), collectives
+    assert counter.by(deepep_sim.__file__.rsplit("/", 1)[-1])  # the counter saw the forward
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
-    # a second forward through the same backend (buffers alternate) is still right
-    d2, h2 = comm.dispatch(hidden, ids, w)
-    got2 = comm.combine(ex.forward(d2), h2)
-    torch.testing.assert_close(got2.float(), want.float(), rtol=1.6e-2, atol=1e-3)
-    return buf.calls
+    return [n for k, n in buf.calls if k == "low_latency_dispatch"]
+
+
+def low_latency_refused_on_its_rank(rank, world, n_tokens, max_tokens, settings_kw):
+    """A batch above the bound on one rank: that rank sends DeepEP nothing and its combine raises;
+    the others finish the forward with the right output, and the next forward runs on all."""
+    p = problem(num_experts=2 * world, top_k=2)
+    gw = global_weights(p)
+    settings = DeepEPSettings(ll_hidden_sizes=SMALL_HIDDEN, **settings_kw)
+    comm, buf = deepep(p, rank, world, F.MASKED, max_tokens=max_tokens, settings=settings)
+    ex = experts(p, rank, world, F.MASKED, F.UNQUANTIZED, local_weights(gw, rank, world))
+    hidden, ids, w = tokens(p, n_tokens[rank], rank)
+    d, h = comm.dispatch(hidden, ids, w)
+    sent = [n for k, n in buf.calls if k == "low_latency_dispatch"]
+    out = ex.forward(d)
+    try:
+        got = comm.combine(out, h)
+    except DeepEPTokenBoundError as exc:
+        result = {"refused": str(exc), "sent": sent}
+    else:
+        want = reference_local_masked(p, hidden, ids, w)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
+        result = {"refused": None, "sent": sent}
+    # the group is not left behind: a forward within the bound runs on every rank
+    hidden, ids, w = tokens(p, 3, rank)
+    d, h = comm.dispatch(hidden, ids, w)
+    got = comm.combine(ex.forward(d), h)
+    want = reference_local_masked(p, hidden, ids, w)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
+    return result
+
+
+def low_latency_split_equals_one_round(rank, world, n_tokens, per_call, per_forward):
+    """Split into rounds of ``per_call`` tokens, up to ``per_forward`` per forward, gives the output
+    of one round holding the whole batch (twice: DeepEP's buffers alternate)."""
+    p = problem(num_experts=2 * world, top_k=2)
+    gw = global_weights(p)
+    hidden, ids, w = tokens(p, n_tokens[rank], rank)
+    split = DeepEPSettings(ll_hidden_sizes=SMALL_HIDDEN, ll_max_tokens_per_rank=per_call,
+                           ll_oversize="split", ll_split_max_tokens_per_rank=per_forward)
+    one = DeepEPSettings(ll_hidden_sizes=SMALL_HIDDEN)
+    comm, buf = deepep(p, rank, world, F.MASKED, max_tokens=per_forward, settings=split)
+    whole, _ = deepep(p, rank, world, F.MASKED, max_tokens=per_forward, settings=one)
+    assert (comm.bound, comm.rounds, whole.bound, whole.rounds) == (
+        per_call, -(-per_forward // per_call), per_forward, 1)
+    ex = experts(p, rank, world, F.MASKED, F.UNQUANTIZED, local_weights(gw, rank, world))
+    d, h = whole.dispatch(hidden, ids, w)
+    want = whole.combine(ex.forward(d), h)
+    for _ in range(2):
+        d, h = comm.dispatch(hidden, ids, w)
+        got = comm.combine(ex.forward(d), h)
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    return [n for k, n in buf.calls if k == "low_latency_dispatch"]
 
 
 def low_latency_refused_on_v100(rank, world):

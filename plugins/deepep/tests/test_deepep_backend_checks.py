@@ -142,15 +142,20 @@ def test_api_features_come_from_signatures():
 def test_settings_defaults_and_environment():
     s = DeepEPSettings.from_env({})
     assert s == DeepEPSettings()
-    assert s.ll_max_tokens_per_rank == 128 and s.ll_oversize == "refuse" and s.agree_on_batch
+    assert s.ll_max_tokens_per_rank == 128 and s.ll_oversize == "refuse"
+    assert s.ll_split_max_tokens_per_rank is None
+    # the removed per-forward agreement may stay switched off in an old environment
+    assert DeepEPSettings.from_env({"MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH": "0"}) == s
     s = DeepEPSettings.from_env({
         "MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK": "256",
         "MOE_RUNTIME_DEEPEP_LL_OVERSIZE": "split",
+        "MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK": "1024",
         "MOE_RUNTIME_DEEPEP_NUM_SMS": "24",
         "MOE_RUNTIME_DEEPEP_ALLOW_NVLINK_LL": "0",
         "MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES": "3072, 2048",
     })
     assert (s.ll_max_tokens_per_rank, s.ll_oversize, s.num_sms) == (256, "split", 24)
+    assert s.ll_split_max_tokens_per_rank == 1024
     assert s.allow_nvlink_for_low_latency is False and s.ll_hidden_sizes == (2048, 3072)
 
 
@@ -159,9 +164,17 @@ def test_settings_defaults_and_environment():
     ({"MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK": "0"}, "must be at least 1"),
     ({"MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK": "512"}, "between 1 and 511"),
     ({"MOE_RUNTIME_DEEPEP_LL_OVERSIZE": "drop"}, "use one of refuse, split"),
-    ({"MOE_RUNTIME_DEEPEP_LL_OVERSIZE": "split", "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH": "0"},
-     "needs MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH=1"),
+    ({"MOE_RUNTIME_DEEPEP_LL_OVERSIZE": "split"},
+     "split needs MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK: the largest batch per rank"),
+    ({"MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK": "512"},
+     "is read only with MOE_RUNTIME_DEEPEP_LL_OVERSIZE=split \\(it is 'refuse'\\)"),
+    ({"MOE_RUNTIME_DEEPEP_LL_OVERSIZE": "split",
+      "MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK": "128"},
+     "=128 must be above MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK=128"),
+    ({"MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK": "many"}, "is not an integer"),
     ({"MOE_RUNTIME_DEEPEP_NUM_SMS": "23"}, "even SM count"),
+    ({"MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH": "1"},
+     "AGREE_ON_BATCH is no longer read: .*host sync.*LL_OVERSIZE=split"),
     ({"MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH": "maybe"}, "not a boolean"),
     ({"MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES": "a,b"}, "comma list of integers"),
 ])
@@ -177,9 +190,16 @@ def test_larger_queue_depth_allows_a_larger_bound():
     assert limits.max_low_latency_tokens(4096) == 2047
 
 
-def test_without_agreement_an_oversized_batch_is_refused_locally_before_deepep_is_called():
-    comm = build(layer(), F.MASKED, 8, max_tokens=16,
-                 settings=DeepEPSettings(agree_on_batch=False))
-    assert comm._rounds(16) == 1  # no collective when agreement is off
-    with pytest.raises(DeepEPError, match="bound of 16 tokens.*only this rank knows"):
-        comm._rounds(17)
+@pytest.mark.parametrize("max_tokens,settings,want", [
+    (128, DeepEPSettings(), (128, 128, 1)),
+    (64, DeepEPSettings(), (64, 64, 1)),  # a plan bound below the setting sizes the buffer
+    (4096, DeepEPSettings(), (128, 128, 1)),
+    (512, DeepEPSettings(ll_oversize="split", ll_split_max_tokens_per_rank=512), (128, 512, 4)),
+    (300, DeepEPSettings(ll_oversize="split", ll_split_max_tokens_per_rank=512), (128, 300, 3)),
+    (100, DeepEPSettings(ll_oversize="split", ll_split_max_tokens_per_rank=512), (100, 100, 1)),
+])
+def test_low_latency_bounds_are_fixed_when_the_backend_is_built(max_tokens, settings, want):
+    comm = build(layer(), F.MASKED, 8, max_tokens=max_tokens, settings=settings)
+    assert (comm.bound, comm.forward_bound, comm.rounds) == want
+    normal = build(layer(), F.TOKEN_MAJOR, 8, max_tokens=max_tokens, settings=settings)
+    assert (normal.bound, normal.forward_bound, normal.rounds) == (None, None, 1)

@@ -78,6 +78,17 @@ def test_a_plugin_object_declares_explicit_settings():
             if m.mode == "low_latency"} == {64}
 
 
+def test_split_declares_the_bound_of_its_rounds():
+    split = DeepEPSettings(ll_max_tokens_per_rank=64, ll_oversize="split",
+                           ll_split_max_tokens_per_rank=200)
+    spec = build_spec(split)
+    assert {m.mode: m.max_tokens_per_rank for m in spec.supports} == {
+        "low_latency": 200, "normal": None}
+    assert "every low-latency forward runs 4 rounds of at most 64 tokens per rank" in \
+        spec.description
+    assert "rounds" not in build_spec(DeepEPSettings()).description
+
+
 def test_layout_to_mode():
     assert mode_for_layout(F.MASKED) == "low_latency"
     assert mode_for_layout(F.TOKEN_MAJOR) == "normal"

@@ -34,7 +34,8 @@ TOKEN_MAJOR_CONSUMER = ExpertsBackendSpec(
 
 H200 = Environment("cuda", (9, 0), frozenset({"deep_ep", "torch"}), "NVIDIA H200")
 ENV_VARS = ("MOE_RUNTIME_DEEPEP_LL_MAX_TOKENS_PER_RANK", "MOE_RUNTIME_DEEPEP_LL_OVERSIZE",
-            "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH", "NVSHMEM_QP_DEPTH")
+            "MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK", "MOE_RUNTIME_DEEPEP_AGREE_ON_BATCH",
+            "NVSHMEM_QP_DEPTH")
 
 
 def _test_plugin():
@@ -145,6 +146,20 @@ def test_the_declared_bound_follows_the_setting(monkeypatch):
     lp, _ = plan(reg, ep_size=16, max_tokens_per_rank=200, comm_backend="deepep",
                  experts_backend="masked_consumer")
     assert lp.comm_mode == "low_latency"
+
+
+def test_split_admits_the_batches_of_its_rounds(monkeypatch, registry):
+    monkeypatch.setenv("MOE_RUNTIME_DEEPEP_LL_OVERSIZE", "split")
+    monkeypatch.setenv("MOE_RUNTIME_DEEPEP_LL_SPLIT_MAX_TOKENS_PER_RANK", "512")
+    reg = Registry.load(autoload=True, plugins=[_test_plugin()], environ={})
+    lp, _ = plan(reg, ep_size=16, max_tokens_per_rank=512, comm_backend="deepep",
+                 experts_backend="masked_consumer")
+    assert lp.comm_mode == "low_latency"
+    assert [m.max_tokens_per_rank for m in lp.modes] == [512]
+    with pytest.raises(PlanError) as exc:
+        plan(reg, ep_size=16, max_tokens_per_rank=513, comm_backend="deepep",
+             experts_backend="masked_consumer")
+    assert "at most 512 tokens per rank" in deepep_rejections(exc.value.rejections)[0].message
 
 
 def test_world_size_one_is_refused(registry):
