@@ -89,6 +89,18 @@ def check_layer(
     layouts, payloads and a token bound, not dtypes or shapes), so the backend checks them when it
     is built, before any buffer is allocated.
     """
+    problems = _common_problems(world, num_experts, dtype)
+    if mode == "normal":
+        problems += _normal_problems(world, top_k, hidden, payload)
+    elif mode == "low_latency":
+        problems += _low_latency_problems(world, top_k, hidden, payload, max_tokens_per_rank,
+                                          qp_depth, low_latency_hidden_sizes)
+    else:
+        problems.append(f"unknown DeepEP mode {mode!r}")
+    return problems
+
+
+def _common_problems(world: int, num_experts: int, dtype: str) -> list[str]:
     problems: list[str] = []
     if dtype != CARRIED_DTYPE:
         problems.append(
@@ -107,65 +119,77 @@ def check_layer(
             f"{len(local_experts(num_experts, world, 0))} local experts exceed DeepEP's "
             f"NUM_MAX_LOCAL_EXPERTS ({NUM_MAX_LOCAL_EXPERTS})"
         )
-    if mode == "normal":
-        if world >= 2 and world not in NORMAL_INTRANODE_WORLD_SIZES:
-            problems.append(
-                f"DeepEP's intranode normal kernels are compiled for "
-                f"{NORMAL_INTRANODE_WORLD_SIZES} ranks (SWITCH_RANKS), not {world}; internode "
-                "normal mode is not declared here"
-            )
-        if top_k > NORMAL_MAX_TOP_K:
-            problems.append(f"top-k {top_k} exceeds DeepEP's normal-mode limit {NORMAL_MAX_TOP_K}")
-        if hidden % 8:
-            problems.append(
-                f"hidden {hidden}: DeepEP moves rows in 16-byte vectors (bf16 hidden must be a "
-                "multiple of 8)"
-            )
-        if payload == "fp8" and hidden % FP8_SCALE_BLOCK:
-            problems.append(
-                f"hidden {hidden}: DeepEP's FP8 dispatch input carries [tokens, hidden // "
-                f"{FP8_SCALE_BLOCK}] scales, so hidden must be a multiple of {FP8_SCALE_BLOCK}"
-            )
-        if payload not in ("unquantized", "fp8"):
-            problems.append(f"normal mode carries unquantized or fp8 payloads, not {payload}")
-    elif mode == "low_latency":
-        if world >= 2 and not (world < NUM_MAX_NVL_PEERS or world % NUM_MAX_NVL_PEERS == 0):
-            problems.append(
-                f"DeepEP's Buffer asserts ranks < {NUM_MAX_NVL_PEERS} or a multiple of "
-                f"{NUM_MAX_NVL_PEERS}; {world} is neither"
-            )
-        if top_k > LOW_LATENCY_MAX_TOP_K:
-            problems.append(
-                f"top-k {top_k} exceeds DeepEP's low-latency limit {LOW_LATENCY_MAX_TOP_K} "
-                "(kNumMaxTopK in csrc/kernels/internode_ll.cu)"
-            )
-        if hidden not in low_latency_hidden_sizes:
-            problems.append(
-                f"hidden {hidden}: DeepEP's low-latency kernels are compiled for hidden sizes "
-                f"{low_latency_hidden_sizes} (SWITCH_HIDDEN); a DeepEP build with more sizes can "
-                "be named with MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES"
-            )
-        if payload != "unquantized":
-            problems.append(
-                f"low-latency mode is declared for unquantized payloads only, not {payload} "
-                "(DeepEP's low-latency FP8 is a per-token, per-128-channel dynamic format, not "
-                "the layer's per-tensor fp8; see README.md)"
-            )
-        if max_tokens_per_rank is not None:
-            limit = max_low_latency_tokens(qp_depth)
-            if max_tokens_per_rank < 1:
-                problems.append(f"the low-latency bound must be at least 1, not "
-                                f"{max_tokens_per_rank}")
-            elif max_tokens_per_rank > limit:
-                problems.append(
-                    f"a low-latency bound of {max_tokens_per_rank} tokens per rank needs "
-                    f"NVSHMEM_QP_DEPTH >= {(max_tokens_per_rank + 1) * 2} (DeepEP asserts "
-                    f"qp_depth >= (bound + 1) * 2; it is {qp_depth}); lower the bound to {limit} "
-                    "or raise NVSHMEM_QP_DEPTH"
-                )
-    else:
-        problems.append(f"unknown DeepEP mode {mode!r}")
     return problems
+
+
+def _normal_problems(world: int, top_k: int, hidden: int, payload: str) -> list[str]:
+    problems: list[str] = []
+    if world >= 2 and world not in NORMAL_INTRANODE_WORLD_SIZES:
+        problems.append(
+            f"DeepEP's intranode normal kernels are compiled for "
+            f"{NORMAL_INTRANODE_WORLD_SIZES} ranks (SWITCH_RANKS), not {world}; internode "
+            "normal mode is not declared here"
+        )
+    if top_k > NORMAL_MAX_TOP_K:
+        problems.append(f"top-k {top_k} exceeds DeepEP's normal-mode limit {NORMAL_MAX_TOP_K}")
+    if hidden % 8:
+        problems.append(
+            f"hidden {hidden}: DeepEP moves rows in 16-byte vectors (bf16 hidden must be a "
+            "multiple of 8)"
+        )
+    if payload == "fp8" and hidden % FP8_SCALE_BLOCK:
+        problems.append(
+            f"hidden {hidden}: DeepEP's FP8 dispatch input carries [tokens, hidden // "
+            f"{FP8_SCALE_BLOCK}] scales, so hidden must be a multiple of {FP8_SCALE_BLOCK}"
+        )
+    if payload not in ("unquantized", "fp8"):
+        problems.append(f"normal mode carries unquantized or fp8 payloads, not {payload}")
+    return problems
+
+
+def _low_latency_problems(world: int, top_k: int, hidden: int, payload: str,
+                          max_tokens_per_rank: int | None, qp_depth: int,
+                          hidden_sizes: tuple[int, ...]) -> list[str]:
+    problems: list[str] = []
+    if world >= 2 and not (world < NUM_MAX_NVL_PEERS or world % NUM_MAX_NVL_PEERS == 0):
+        problems.append(
+            f"DeepEP's Buffer asserts ranks < {NUM_MAX_NVL_PEERS} or a multiple of "
+            f"{NUM_MAX_NVL_PEERS}; {world} is neither"
+        )
+    if top_k > LOW_LATENCY_MAX_TOP_K:
+        problems.append(
+            f"top-k {top_k} exceeds DeepEP's low-latency limit {LOW_LATENCY_MAX_TOP_K} "
+            "(kNumMaxTopK in csrc/kernels/internode_ll.cu)"
+        )
+    if hidden not in hidden_sizes:
+        problems.append(
+            f"hidden {hidden}: DeepEP's low-latency kernels are compiled for hidden sizes "
+            f"{hidden_sizes} (SWITCH_HIDDEN); a DeepEP build with more sizes can "
+            "be named with MOE_RUNTIME_DEEPEP_LL_HIDDEN_SIZES"
+        )
+    if payload != "unquantized":
+        problems.append(
+            f"low-latency mode is declared for unquantized payloads only, not {payload} "
+            "(DeepEP's low-latency FP8 is a per-token, per-128-channel dynamic format, not "
+            "the layer's per-tensor fp8; see README.md)"
+        )
+    if max_tokens_per_rank is not None:
+        problems += _bound_problems(max_tokens_per_rank, qp_depth)
+    return problems
+
+
+def _bound_problems(max_tokens_per_rank: int, qp_depth: int) -> list[str]:
+    limit = max_low_latency_tokens(qp_depth)
+    if max_tokens_per_rank < 1:
+        return [f"the low-latency bound must be at least 1, not {max_tokens_per_rank}"]
+    if max_tokens_per_rank > limit:
+        return [
+            f"a low-latency bound of {max_tokens_per_rank} tokens per rank needs "
+            f"NVSHMEM_QP_DEPTH >= {(max_tokens_per_rank + 1) * 2} (DeepEP asserts "
+            f"qp_depth >= (bound + 1) * 2; it is {qp_depth}); lower the bound to {limit} "
+            "or raise NVSHMEM_QP_DEPTH"
+        ]
+    return []
 
 
 def rounds_for(num_tokens: int, bound: int) -> int:
