@@ -13,6 +13,7 @@ import torch
 from moe_runtime import formats as F
 from moe_runtime.backend_api import Dispatched, ExpertsBackend, ExpertsSetup, ExpertWeights
 from moe_runtime.declarations import format_capability
+from moe_runtime.dtypes import model_dtype_name
 from moe_runtime_flashinfer_cutedsl import plugin
 from moe_runtime_flashinfer_cutedsl.weights import (
     GATE_UP,
@@ -25,7 +26,7 @@ from moe_runtime_flashinfer_cutedsl.weights import (
 
 _FP4 = "float4_e2m1fn"
 _E4M3 = "float8_e4m3fn"
-_C_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_C_DTYPES = (torch.bfloat16, torch.float16)  # the kernels' output dtypes
 
 
 class UnsupportedDeviceError(RuntimeError):
@@ -243,7 +244,7 @@ class CuteDslExperts(ExpertsBackend):
             act_dtype = x.dtype
             a_q, a_sf = scaled_fp4_grouped_quantize(x.contiguous(), masked_m, self._a13_gscale_e)
         out_dtype = d.out_dtype or act_dtype
-        c_dtype = _C_DTYPES[act_dtype]
+        c_dtype = model_dtype_name(act_dtype)
         common = dict(ab_dtype=_FP4, sf_dtype=_E4M3, c_dtype=c_dtype, sf_vec_size=16,
                       alpha_dtype="float32")
 
