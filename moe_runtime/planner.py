@@ -2,13 +2,15 @@
 
 For every MoE layer it picks a (communication, experts) pair whose layouts and payloads match, by
 declared priority, and reports every backend it turned down with a reason from :class:`Reason`.
-It never looks at a checkpoint's quantization method name or compares backend names, except
-against the names a user asked for.
+Between candidates the declarations cannot tell apart (equally exact: same runs-as format,
+communication backend and payloads) a tuning cache's measurements choose, when one is given
+(docs/tuning.md). It never looks at a checkpoint's quantization method name or compares backend
+names, except against the names a user asked for.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import attrs
 
@@ -22,7 +24,10 @@ from moe_runtime.declarations import (
     Support,
 )
 from moe_runtime.environment import Environment
-from moe_runtime.manager import Registry
+from moe_runtime.plugin.registry import Registry
+
+if TYPE_CHECKING:  # records only: the tuning package imports the planner
+    from moe_runtime.tuning.cache import Tuning
 
 
 @attrs.frozen
@@ -90,6 +95,14 @@ class ModeChoice:
                    data.get("max_tokens_per_rank"))
 
 
+def first_mode_admitting(modes: Sequence[ModeChoice], tokens_per_rank: int) -> ModeChoice | None:
+    """The first of ``modes`` whose bound admits a batch of ``tokens_per_rank``, or ``None``."""
+    for m in modes:
+        if m.max_tokens_per_rank is None or tokens_per_rank <= m.max_tokens_per_rank:
+            return m
+    return None
+
+
 @attrs.frozen
 class LayerPlan:
     """The decision for one MoE layer.
@@ -113,9 +126,9 @@ class LayerPlan:
 
     def mode_for(self, tokens_per_rank: int) -> ModeChoice:
         """The mode a batch of ``tokens_per_rank`` tokens (the largest over ranks) uses."""
-        for m in self.modes:
-            if m.max_tokens_per_rank is None or tokens_per_rank <= m.max_tokens_per_rank:
-                return m
+        mode = first_mode_admitting(self.modes, tokens_per_rank)
+        if mode is not None:
+            return mode
         raise ValueError(
             f"layer {self.problem.name}: a batch of {tokens_per_rank} tokens per rank exceeds every "
             f"mode of {self.comm} (bounds {[m.max_tokens_per_rank for m in self.modes]}); the plan "
@@ -165,6 +178,8 @@ class Plan:
     rejections: tuple[Rejection, ...]
     environment: Environment
     deployment: Deployment
+    #: notes on the plan as a whole (a tuning cache that was read, or ignored and why)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def for_layer(self, name: str) -> LayerPlan:
         for lp in self.layers:
@@ -178,6 +193,7 @@ class Plan:
             "deployment": attrs.asdict(self.deployment),
             "layers": [lp.to_json() for lp in self.layers],
             "rejections": [r.to_json() for r in self.rejections],
+            "notes": list(self.notes),
         }
 
     @classmethod
@@ -189,6 +205,7 @@ class Plan:
                 rejections=tuple(Rejection.from_json(r) for r in data.get("rejections", ())),
                 environment=Environment.from_json(data["environment"]),
                 deployment=Deployment(**data["deployment"]),
+                notes=tuple(data.get("notes", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(
@@ -285,7 +302,7 @@ def check_deployment(registry: Registry, dep: Deployment) -> None:
         (dep.comm_backend, registry.comms, "communication", "--moe-a2a-backend"),
     ):
         if pinned is not None and pinned not in table:
-            from moe_runtime.first_party import unregistered_backend_hint  # message text only
+            from moe_runtime.plugin.first_party import unregistered_backend_hint  # message text
 
             raise PlanError(
                 f"{flag} {pinned!r} is not a registered {role} backend; registered: "
@@ -309,7 +326,9 @@ def check_deployment(registry: Registry, dep: Deployment) -> None:
 #   3. filter_comms        every communication backend checked with CommBackendSpec.check
 #   4. refuse_*            nothing (or not what was pinned) is left: one error naming why
 #   5. select_modes        per (experts, communication) pair: the modes and payloads that pair up
-#   6. describe_choice     degradations and notes of the chosen pair, for people
+#                          (pair_backends: each experts backend with the first backend it pairs with)
+#   6. describe_choice     degradations and notes of each pairing, for people (layer_candidates)
+#   7. choose              the first candidate, or the measured fastest of those tied with it
 
 
 @attrs.frozen
@@ -508,14 +527,75 @@ def _by_backend(options: list[_ExpertsOption]) -> list[list[_ExpertsOption]]:
     return list(groups.values())
 
 
-def plan_layer(
-    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
-) -> tuple[LayerPlan, list[Rejection]]:
-    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it.
+@attrs.frozen
+class _Pairing:
+    """An experts backend's blocks paired with a communication backend (step 5).
 
-    The steps are listed above; the first pair (by experts priority, then communication priority)
-    that :func:`select_modes` accepts wins.
+    ``failures`` are the pair failures met on the way to it, in ranked order: what a plan that
+    chooses this pairing reports as turned down."""
+
+    option: _ExpertsOption
+    comm: CommBackendSpec
+    modes: tuple[ModeChoice, ...]
+    failures: tuple[Rejection, ...]
+
+
+def pair_backends(p: LayerProblem, experts: list[_ExpertsOption],
+                  comms: list[tuple[CommBackendSpec, list[CommSupport]]], registry: Registry,
+                  dep: Deployment) -> tuple[list[_Pairing], list[Rejection]]:
+    """Step 5 for every experts backend (ranked): its first communication backend (ranked) that
+    pairs with it. Returns the pairings and every pair failure met."""
+    pairings: list[_Pairing] = []
+    failures: list[Rejection] = []
+    for opts in _by_backend(experts):
+        for cspec, modes in comms:
+            opt, chosen, fails = select_modes(p, opts, cspec, modes, registry, dep)
+            failures += fails
+            if opt is not None:
+                pairings.append(_Pairing(opt, cspec, tuple(chosen),
+                                         tuple(dict.fromkeys(failures))))
+                break
+    return pairings, failures
+
+
+@attrs.frozen
+class Candidates:
+    """What :func:`layer_candidates` found: the layer plans the planner chooses among.
+
+    :param plans: one per experts backend that runs the layer, in declared order (priority, then
+        name); ``plans[0]`` is the declared choice.
+    :param rejections: what steps 2 and 3 turned down (reported by every plan).
+    :param failures: per plan, the pair failures met on the way to it (reported with it).
     """
+
+    plans: tuple[LayerPlan, ...]
+    rejections: tuple[Rejection, ...]
+    failures: tuple[tuple[Rejection, ...], ...]
+
+    def result(self, index: int) -> tuple[LayerPlan, list[Rejection]]:
+        """Plan ``index`` and what a plan choosing it reports as turned down."""
+        return self.plans[index], [*self.rejections, *self.failures[index]]
+
+
+def _layer_plan(p: LayerProblem, pairing: _Pairing, accepting: list[str], registry: Registry,
+                env: Environment) -> LayerPlan:
+    """Step 6: the layer plan of one pairing, with its degradations and notes."""
+    opt, chosen = pairing.option, list(pairing.modes)
+    degradations, notes = describe_choice(p, opt, pairing.comm, chosen, registry, env)
+    last = chosen[-1]
+    return LayerPlan(
+        problem=p, experts=opt.spec.name, comm=pairing.comm.name, comm_mode=last.comm_mode,
+        layout=last.layout, payload=last.payload, runs_as=opt.runs_as,
+        degradations=tuple(degradations), notes=tuple(notes),
+        alternatives=tuple(n for n in accepting if n != opt.spec.name), modes=tuple(chosen),
+    )
+
+
+def layer_candidates(
+    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment
+) -> Candidates:
+    """Steps 1 to 6: every layer plan that could run ``p``, in declared order; raises
+    :class:`PlanError` when none can (or not what was pinned). ``moe-runtime tune`` times these."""
     env, dep = environment, deployment
     resolve_format(p, registry)
     check_deployment(registry, dep)
@@ -526,31 +606,56 @@ def plan_layer(
         raise refuse_experts(p, env, dep, accepting, rejections)
     if not comms:
         raise refuse_comms(p, env, dep, rejections)
-    pair_failures: list[Rejection] = []
-    for opts in _by_backend(experts):
-        for cspec, modes in comms:
-            opt, chosen, failures = select_modes(p, opts, cspec, modes, registry, dep)
-            pair_failures += failures
-            if opt is None:
-                continue
-            degradations, notes = describe_choice(p, opt, cspec, chosen, registry, env)
-            last = chosen[-1]
-            plan = LayerPlan(
-                problem=p, experts=opt.spec.name, comm=cspec.name, comm_mode=last.comm_mode,
-                layout=last.layout, payload=last.payload, runs_as=opt.runs_as,
-                degradations=tuple(degradations), notes=tuple(notes),
-                alternatives=tuple(n for n in accepting if n != opt.spec.name),
-                modes=tuple(chosen),
-            )
-            # what was turned down on the way (a mode's layout, payload or token bound) is reported
-            return plan, rejections + list(dict.fromkeys(pair_failures))
-    rejections.extend(pair_failures)
-    lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in pair_failures)
-    raise PlanError(
-        f"layer {p.name} (format {p.format}): no communication backend pairs with the experts "
-        f"backends that run it ({', '.join(sorted({o.spec.name for o in experts}))}): {lines}",
-        rejections,
-    )
+    pairings, pair_failures = pair_backends(p, experts, comms, registry, dep)
+    if not pairings:
+        rejections.extend(pair_failures)
+        lines = "; ".join(f"{r.backend}: {r.reason.value}: {r.message}" for r in pair_failures)
+        raise PlanError(
+            f"layer {p.name} (format {p.format}): no communication backend pairs with the "
+            f"experts backends that run it ({', '.join(sorted({o.spec.name for o in experts}))})"
+            f": {lines}", rejections)
+    plans = tuple(_layer_plan(p, pg, accepting, registry, env) for pg in pairings)
+    return Candidates(plans, tuple(rejections), tuple(pg.failures for pg in pairings))
+
+
+def equally_exact(a: LayerPlan, b: LayerPlan) -> bool:
+    """Plans the declarations cannot tell apart: the weights run as the same format, through the
+    same communication backend with the same payloads. Only between such plans may a
+    measurement choose (priority is a declared guess of speed; a measurement replaces it)."""
+    return (a.runs_as == b.runs_as and a.comm == b.comm
+            and [m.payload for m in a.modes] == [m.payload for m in b.modes])
+
+
+def choose(candidates: Candidates, dep: Deployment, tuning: Tuning | None) -> tuple[int, str]:
+    """Step 7: the index of the chosen plan and a note on how (``""``: declared order).
+
+    Without a tuning cache, or without a tie, the declared choice ``plans[0]`` stands; otherwise
+    the cache picks among the plans equally exact with it (:meth:`TuningCache.fastest`)."""
+    plans = candidates.plans
+    tied = [i for i, lp in enumerate(plans) if equally_exact(lp, plans[0])]
+    if tuning is None or tuning.cache is None or len(tied) < 2:
+        return 0, ""
+    pick, note = tuning.cache.fastest([plans[i] for i in tied], dep)
+    return (tied[pick] if pick is not None else 0), note
+
+
+def plan_layer(
+    p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment,
+    tuning: Tuning | None = None,
+) -> tuple[LayerPlan, list[Rejection]]:
+    """Plan one layer; raises :class:`PlanError` when nothing (or not what was pinned) can run it.
+
+    The steps are listed above: the first pair (by experts priority, then communication
+    priority) that :func:`select_modes` accepts wins, unless ``tuning`` measured a faster one
+    among the plans tied with it (:func:`choose`).
+    """
+    found = layer_candidates(p, registry=registry, environment=environment,
+                             deployment=deployment)
+    index, note = choose(found, deployment, tuning)
+    plan, rejections = found.result(index)
+    if note:
+        plan = attrs.evolve(plan, notes=(*plan.notes, note))
+    return plan, rejections
 
 
 def plan_model(
@@ -559,14 +664,19 @@ def plan_model(
     registry: Registry,
     environment: Environment,
     deployment: Deployment = Deployment(),
+    tuning: Tuning | None = None,
 ) -> Plan:
-    """Plan every MoE layer; one :class:`PlanError` naming every layer that cannot be planned."""
+    """Plan every MoE layer; one :class:`PlanError` naming every layer that cannot be planned.
+
+    ``tuning`` (:func:`moe_runtime.tuning.cache.load_tuning`) breaks ties by measurement; its
+    notes (which cache was read, or why one was ignored) become the plan's notes.
+    """
     check_deployment(registry, deployment)
     layers, rejections, errors = [], [], []
     for p in problems:
         try:
             lp, rej = plan_layer(p, registry=registry, environment=environment,
-                                 deployment=deployment)
+                                 deployment=deployment, tuning=tuning)
         except PlanError as exc:
             errors.append(exc)
             continue
@@ -577,4 +687,5 @@ def plan_model(
             "\n".join(str(e) for e in errors),
             [r for e in errors for r in e.rejections] + rejections,
         )
-    return Plan(tuple(layers), tuple(rejections), environment, deployment)
+    notes = tuning.notes if tuning is not None else ()
+    return Plan(tuple(layers), tuple(rejections), environment, deployment, notes)

@@ -1,0 +1,316 @@
+"""The tuning cache: its schema, its key, reading it for a plan, and the measured choice.
+
+A cache file holds sections, one per key. A key is what makes a measurement valid here: the
+device (:attr:`Environment.described`), the environment fingerprint
+(:meth:`Environment.fingerprint`) and the software (the moe-runtime version and every plugin's
+distribution, version and status, as plan agreement compares them). Reading a cache for a plan:
+
+1. no file: nothing (a cache named explicitly that does not exist gets a note);
+2. not JSON, another schema, or a field of the wrong type: ignored, the note names what;
+3. the section whose key equals this run's is used; failing that, one of the same device and
+   environment fingerprint makes the cache *stale* (the note names the first software field that
+   differs), and none makes it *foreign* (the note names the devices it holds);
+4. :meth:`TuningCache.fastest` then picks, among plans the planner found equally exact, the one
+   measured fastest at the deployment's token bucket, or says why it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import attrs
+
+if TYPE_CHECKING:  # records only: reading a cache imports no torch
+    from moe_runtime.backend_api import LayerProblem
+    from moe_runtime.environment import Environment
+    from moe_runtime.planner import Deployment, LayerPlan
+
+SCHEMA = "moe-runtime-tuning/1"
+ENV_VAR = "MOE_RUNTIME_TUNING_CACHE"  # a path; "" or "none" switches the default cache off
+PROBLEM_FIELDS = ("format", "activation", "num_experts", "top_k", "hidden_size",
+                  "intermediate_size", "dtype", "ep_size")
+CANDIDATE_FIELDS = ("experts", "runs_as", "comm", "layout", "payload")
+
+
+class CacheFormatError(ValueError):
+    """A tuning cache is not of :data:`SCHEMA`; the message names the field and what it expects."""
+
+
+# ------------------------------------------------------------------------------------- keys
+
+
+def problem_key(p: LayerProblem, ep_size: int) -> dict:
+    """What a measurement is of, on the layer's side: its sizes and formats, not its name."""
+    return {**{f: getattr(p, f) for f in PROBLEM_FIELDS if f != "ep_size"}, "ep_size": ep_size}
+
+
+def candidate_key(plan: LayerPlan, tokens: int) -> dict:
+    """What a measurement is of, on the backends' side: the plan's path for ``tokens`` per rank."""
+    from moe_runtime.planner import first_mode_admitting
+
+    mode = first_mode_admitting(plan.modes, tokens) or plan.modes[-1]
+    return {"experts": plan.experts, "runs_as": plan.runs_as, "comm": plan.comm,
+            "layout": mode.layout, "payload": mode.payload}
+
+
+def _frozen(d: dict) -> tuple:
+    return tuple(sorted(d.items()))
+
+
+def software_of(registry) -> dict[str, str]:
+    """The software fields of a cache key: the ones plan agreement compares across ranks."""
+    from moe_runtime.agreement import _software
+
+    return dict(_software(registry))
+
+
+def cache_key(environment: Environment, registry) -> dict:
+    return {"device": environment.described, "environment": environment.fingerprint(),
+            "software": software_of(registry)}
+
+
+def default_cache_path(environ=None) -> Path | None:
+    """``$MOE_RUNTIME_TUNING_CACHE``, else ``tuning.json`` in moe-runtime's cache folder
+    (``$XDG_CACHE_HOME/moe-runtime``, or ``~/.cache/moe-runtime``); ``None`` when switched off."""
+    environ = os.environ if environ is None else environ
+    if ENV_VAR in environ:
+        value = environ[ENV_VAR].strip()
+        return None if value.lower() in ("", "none") else Path(value).expanduser()
+    from moe_runtime.serve.default_model import cache_root
+
+    return cache_root() / "tuning.json"
+
+
+# ----------------------------------------------------------------------------------- schema
+
+
+@attrs.frozen
+class Measurement:
+    """One timed (layer shape, candidate, tokens): the median in microseconds, or the error that
+    stopped it."""
+
+    problem: dict
+    candidate: dict
+    tokens: int
+    median_us: float | None
+    repeats: int
+    timer: str
+    measured_at: str
+    error: str | None = None
+
+    @property
+    def where(self) -> tuple:
+        return (_frozen(self.problem), _frozen(self.candidate), self.tokens)
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+def _need(data: dict, field: str, kind, where: str):
+    if not isinstance(data, dict) or field not in data:
+        raise CacheFormatError(f"{where} has no field {field!r}")
+    value = data[field]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise CacheFormatError(f"{where}.{field} is {value!r}, expected {names}")
+    return value
+
+
+def parse_measurement(data, where: str) -> Measurement:
+    """A :class:`Measurement` from its JSON, or :class:`CacheFormatError` naming the field."""
+    problem, candidate = _need(data, "problem", dict, where), _need(data, "candidate", dict, where)
+    for fields, record, name in ((PROBLEM_FIELDS, problem, "problem"),
+                                 (CANDIDATE_FIELDS, candidate, "candidate")):
+        missing = [f for f in fields if f not in record]
+        if missing:
+            raise CacheFormatError(f"{where}.{name} lacks {', '.join(missing)}")
+    tokens = _need(data, "tokens", int, where)
+    error = data.get("error")
+    median = None if error is not None else _need(data, "median_us", (int, float), where)
+    if tokens < 1 or (median is not None and not median > 0):
+        raise CacheFormatError(f"{where}: tokens must be at least 1 and median_us positive, got "
+                               f"tokens {tokens}, median_us {median}")
+    return Measurement(problem, candidate, tokens, None if median is None else float(median),
+                       _need(data, "repeats", int, where), _need(data, "timer", str, where),
+                       _need(data, "measured_at", str, where), error)
+
+
+@attrs.frozen
+class Section:
+    """The measurements made under one key."""
+
+    key: dict
+    environment: dict
+    measurements: tuple[Measurement, ...]
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "environment": self.environment,
+                "measurements": [m.to_json() for m in self.measurements]}
+
+
+def parse_cache(data) -> list[Section]:
+    """The sections of a cache file's JSON, or :class:`CacheFormatError` naming what is wrong."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise CacheFormatError(f"schema is {got!r}, expected {SCHEMA!r}")
+    sections = []
+    for i, raw in enumerate(_need(data, "sections", list, "the cache")):
+        where = f"sections[{i}]"
+        key = _need(raw, "key", dict, where)
+        for field, kind in (("device", str), ("environment", str), ("software", dict)):
+            _need(key, field, kind, f"{where}.key")
+        items = _need(raw, "measurements", list, where)
+        sections.append(Section(key, raw.get("environment") or {}, tuple(
+            parse_measurement(m, f"{where}.measurements[{j}]") for j, m in enumerate(items))))
+    return sections
+
+
+def read_sections(path: Path) -> list[Section]:
+    """The sections of the file at ``path``; :class:`CacheFormatError` if it is not a cache."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CacheFormatError(f"cannot be read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise CacheFormatError(f"not JSON ({exc})") from None
+    return parse_cache(data)
+
+
+def write_sections(path: Path, sections: Sequence[Section]) -> None:
+    """Write atomically (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"schema": SCHEMA, "sections": [s.to_json() for s in sections]},
+                              indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def merge(sections: Sequence[Section], new: Section) -> list[Section]:
+    """``sections`` with ``new`` merged in: its measurements replace the same (shape,
+    candidate, tokens) under its key; a section of the same device and environment but other
+    software (stale, never to be read again) is dropped; other devices' sections stay."""
+    kept, old = [], ()
+    for s in sections:
+        if s.key == new.key:
+            old = s.measurements
+        elif not (s.key["device"] == new.key["device"]
+                  and s.key["environment"] == new.key["environment"]):
+            kept.append(s)
+    table = {m.where: m for m in (*old, *new.measurements)}
+    return [*kept, attrs.evolve(new, measurements=tuple(table.values()))]
+
+
+# ----------------------------------------------------------------------------- for a plan
+
+
+@attrs.frozen
+class Tuning:
+    """What a plan reads from a tuning cache: the usable cache (or ``None``) and notes on it."""
+
+    cache: TuningCache | None = None
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+
+def _first_software_difference(theirs: dict, mine: dict) -> str:
+    for field in sorted(set(theirs) | set(mine)):
+        if theirs.get(field) != mine.get(field):
+            return (f"{field} is {mine.get(field, '(absent)')!r} here, "
+                    f"{theirs.get(field, '(absent)')!r} in the cache")
+    return "the software differs"  # pragma: no cover - keys differ in software only
+
+
+def select_section(sections: Sequence[Section], key: dict) -> tuple[Section | None, str]:
+    """The section of ``key``, or ``None`` and why (stale or foreign)."""
+    for s in sections:
+        if s.key == key:
+            return s, ""
+    for s in sections:
+        if s.key["device"] == key["device"] and s.key["environment"] == key["environment"]:
+            return None, f"stale: {_first_software_difference(s.key['software'], key['software'])}"
+    held = "; ".join(f"{s.key['device']} (environment {s.key['environment']})" for s in sections)
+    return None, (f"foreign: it holds measurements of {held or 'nothing'}, not of "
+                  f"{key['device']} (environment {key['environment']})")
+
+
+def load_tuning(path: str | Path | None, environment: Environment, registry, *,
+                explicit: bool = True) -> Tuning:
+    """The tuning a plan on ``environment`` with ``registry``'s plugins may use from ``path``.
+
+    Never raises for a bad cache: it is ignored with a note saying why. ``explicit=False`` (the
+    default location) says nothing when the file does not exist.
+    """
+    if path is None:
+        return Tuning()
+    path = Path(path)
+    again = f"run `moe-runtime tune CHECKPOINT --cache {path}` on this machine"
+    if not path.is_file():
+        return Tuning(notes=(f"tuning cache {path} does not exist; backends are chosen by "
+                             f"declared priority ({again})",) if explicit else ())
+    try:
+        sections = read_sections(path)
+    except CacheFormatError as exc:
+        return Tuning(notes=(f"ignored tuning cache {path}: malformed: {exc}",))
+    section, why = select_section(sections, cache_key(environment, registry))
+    if section is None:
+        return Tuning(notes=(f"ignored tuning cache {path}: {why}; {again}",))
+    cache = TuningCache.of(str(path), section)
+    return Tuning(cache, (f"tuning cache {path} (measured {cache.dates()}) breaks ties between "
+                          "equally exact experts backends",))
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+@attrs.frozen
+class TuningCache:
+    """The measurements of this machine's section, by (layer shape, candidate, tokens)."""
+
+    path: str
+    table: dict = attrs.field(eq=False)
+
+    @classmethod
+    def of(cls, path: str, section: Section) -> TuningCache:
+        return cls(path, {m.where: m for m in section.measurements})
+
+    def dates(self) -> str:
+        days = sorted({m.measured_at[:10] for m in self.table.values()})
+        if not days:
+            return "nothing"
+        return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+    def token_counts(self, problem: dict) -> list[int]:
+        shape = _frozen(problem)
+        return sorted({t for (p, _, t) in self.table if p == shape})
+
+    def lookup(self, problem: dict, plan: LayerPlan, tokens: int) -> Measurement | None:
+        return self.table.get((_frozen(problem), _frozen(candidate_key(plan, tokens)), tokens))
+
+    def fastest(self, plans: Sequence[LayerPlan], dep: Deployment) -> tuple[int | None, str]:
+        """Index of the plan measured fastest at the deployment's bucket, and a note for the
+        plan; ``None`` (declared order stands) when a plan lacks a good measurement there.
+
+        The bucket is the smallest measured token count at or above ``max_tokens_per_rank``,
+        else the largest measured."""
+        problem = problem_key(plans[0].problem, dep.ep_size)
+        counts = self.token_counts(problem)
+        undecided = f"declared priority decides; cache {self.path}"
+        if not counts:
+            return None, f"{undecided} has no measurement of this layer shape"
+        bucket = next((t for t in counts if t >= dep.max_tokens_per_rank), counts[-1])
+        found = [self.lookup(problem, lp, bucket) for lp in plans]
+        for lp, m in zip(plans, found):
+            if m is None or m.median_us is None:
+                why = "no measurement" if m is None else f"a failed measurement ({m.error})"
+                return None, (f"{undecided} has {why} of {lp.experts} at {_tokens(bucket)} "
+                              "per rank")
+        times = [m.median_us for m in found]
+        best = min(range(len(plans)), key=lambda i: (times[i], i))
+        day = max(m.measured_at for m in found)[:10]
+        ranking = ", ".join(f"{plans[i].experts} {times[i]:.1f} us"
+                            for i in sorted(range(len(plans)), key=lambda i: (times[i], i)))
+        return best, (f"chosen by measurement (cache {self.path}, measured {day}): {ranking} "
+                      f"at {_tokens(bucket)} per rank")

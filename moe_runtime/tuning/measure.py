@@ -1,0 +1,242 @@
+"""Timing the planner's candidates: the timer, random routed inputs, and the tuning loop.
+
+For each distinct layer shape, :func:`tune` asks the planner for the layer plans it would choose
+among (:func:`moe_runtime.planner.layer_candidates`), builds each plan's real executor
+(:func:`moe_runtime.executor.build_executor`: the backends' own ``prepare``) on random weights of
+the layer's format, and times ``dispatch -> forward -> combine`` on random routed batches of each
+token count: CUDA events after warm-up on CUDA, the wall clock on CPU, the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from typing import Callable, Iterable, Sequence
+
+import attrs
+import torch
+
+from moe_runtime.backend_api import ExpertWeights, LayerProblem
+from moe_runtime.environment import Environment
+from moe_runtime.planner import Deployment, LayerPlan, PlanError, layer_candidates
+from moe_runtime.tuning.cache import Measurement, candidate_key, problem_key
+
+DEFAULT_TOKENS = (1, 16, 128, 1024, 4096)
+TUNED_EP_SIZE = 1  # a local layer: every expert on this device, local communication
+ACT_AMAX = 4.0  # activation scales of random weights: about the largest of a unit-normal batch
+
+
+@attrs.frozen
+class Timing:
+    """The median of ``repeats`` timed calls, in microseconds, and the timer that took them."""
+
+    median_us: float
+    repeats: int
+    timer: str
+
+
+@attrs.frozen
+class TuneCase:
+    """One measurement to make: a candidate plan of a layer shape at a token count."""
+
+    plan: LayerPlan
+    tokens: int
+    device: str
+
+
+@attrs.frozen
+class Timer:
+    """Times a call: ``warmup`` untimed calls, then up to ``repeats`` timed ones (fewer when one
+    call would take the ``budget_s`` seconds past: at least 3), the median."""
+
+    warmup: int = 3
+    repeats: int = 20
+    budget_s: float = 10.0
+
+    def __call__(self, fn: Callable[[], object], case: TuneCase) -> Timing:
+        cuda = case.device.startswith("cuda")
+        start = time.perf_counter()
+        for _ in range(max(1, self.warmup)):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(case.device)
+        per_call = (time.perf_counter() - start) / max(1, self.warmup)
+        n = max(3, min(self.repeats, int(self.budget_s / max(per_call, 1e-9))))
+        samples = self._cuda(fn, n, case.device) if cuda else self._wall(fn, n)
+        return Timing(statistics.median(samples), n, "cuda_events" if cuda else "wall_clock")
+
+    @staticmethod
+    def _wall(fn, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    @staticmethod
+    def _cuda(fn, n: int, device: str) -> list[float]:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) * 1e3 for start, end in events]
+
+
+# ------------------------------------------------------------------------------ random inputs
+
+
+def random_weights(p: LayerProblem, registry, device: str, seed: int = 0) -> ExpertWeights:
+    """Weights of ``p``'s format for its experts, from random floats quantized a few experts at
+    a time on ``device`` (memory stays near one layer's stored size)."""
+    from moe_runtime import formats as F
+    from moe_runtime.reference_math import quantize_expert_weights
+
+    twin = F.builtin_twin(registry.formats[p.format].spec)
+    e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+    chunk = max(1, (1 << 28) // (3 * h * i))  # about 1 GiB of float32 per step
+    gen = torch.Generator(device=device).manual_seed(seed)
+    parts = []
+    for first in range(0, e, chunk):
+        n = min(chunk, e - first)
+        w13 = torch.randn((n, 2 * i, h), generator=gen, device=device) / h**0.5
+        w2 = torch.randn((n, h, i), generator=gen, device=device) / i**0.5
+        parts.append(quantize_expert_weights(w13, w2, twin, p.activation, a13_amax=ACT_AMAX,
+                                             a2_amax=ACT_AMAX))
+        del w13, w2
+    return attrs.evolve(_concat(parts), format=p.format)
+
+
+def _concat(parts: list[ExpertWeights]) -> ExpertWeights:
+    """Experts of several :class:`ExpertWeights` in one; per-layer (0-dim) scales are shared."""
+    first = parts[0]
+    fields = {}
+    for f in attrs.fields(ExpertWeights):
+        value = getattr(first, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            value = torch.cat([getattr(w, f.name) for w in parts]) if len(parts) > 1 else value
+        fields[f.name] = value
+    return ExpertWeights(**fields)
+
+
+def routed_batches(p: LayerProblem, tokens: int, device: str, seed: int, count: int = 3):
+    """``count`` random batches of ``tokens``: hidden states in the model dtype, top-k ids drawn
+    uniformly over the experts, and weights summing to one (batches rotate, so repeated calls do
+    not all read the same activations from cache)."""
+    from moe_runtime.dtypes import torch_dtype
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(count):
+        hidden = torch.randn((tokens, p.hidden_size), generator=gen, device=device)
+        scores = torch.rand((tokens, p.num_experts), generator=gen, device=device)
+        ids = scores.topk(p.top_k, dim=-1).indices.to(torch.int32)
+        w = torch.rand((tokens, p.top_k), generator=gen, device=device) + 0.1
+        out.append((hidden.to(torch_dtype(p.dtype)), ids, (w / w.sum(-1, keepdim=True)).float()))
+    return out
+
+
+# ------------------------------------------------------------------------------ the tuning loop
+
+
+def distinct_problems(problems: Iterable[LayerProblem]) -> list[LayerProblem]:
+    """One layer per distinct shape (the first met); layers of one shape share measurements."""
+    seen: dict[tuple, LayerProblem] = {}
+    for p in problems:
+        seen.setdefault(tuple(sorted(problem_key(p, TUNED_EP_SIZE).items())), p)
+    return list(seen.values())
+
+
+@attrs.frozen
+class Shape:
+    """A layer shape to tune: its representative problem and the planner's candidates for it."""
+
+    problem: LayerProblem
+    plans: tuple[LayerPlan, ...]
+    skipped: str = ""  # why the planner found no candidate, when it found none
+
+
+def shapes_to_tune(problems: Iterable[LayerProblem], *, registry, environment: Environment,
+                   tokens: Sequence[int], backends: Sequence[str] | None = None) -> list[Shape]:
+    """The candidates of each distinct layer shape, as the planner computes them for a local
+    deployment sending up to ``max(tokens)`` tokens; ``backends`` keeps only those named."""
+    dep = Deployment(max_tokens_per_rank=max(tokens))
+    out = []
+    for p in distinct_problems(problems):
+        try:
+            found = layer_candidates(p, registry=registry, environment=environment,
+                                     deployment=dep)
+        except PlanError as exc:
+            out.append(Shape(p, (), str(exc).splitlines()[0]))
+            continue
+        plans = tuple(lp for lp in found.plans if not backends or lp.experts in backends)
+        out.append(Shape(p, plans, "" if plans else "none of the named backends runs it"))
+    return out
+
+
+def rotating_call(executor, batches) -> Callable[[], object]:
+    """A call of ``executor`` on the next of ``batches`` each time."""
+    turn = iter(range(1 << 62))
+
+    def call():
+        x, ids, w = batches[next(turn) % len(batches)]
+        return executor(x, ids, w)
+
+    return call
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def measure_plan(plan: LayerPlan, weights: ExpertWeights, tokens: Sequence[int], *, registry,
+                 device: str, timer, seed: int = 0, step: Callable[[], None] = lambda: None
+                 ) -> list[Measurement]:
+    """Time one candidate at every token count; an error (building or running) is recorded in
+    the measurement instead of stopping the run."""
+    from moe_runtime.executor import build_executor
+
+    problem = problem_key(plan.problem, TUNED_EP_SIZE)
+
+    def record(t: int, timing: Timing | None, error: str | None = None) -> Measurement:
+        step()
+        return Measurement(problem, candidate_key(plan, t), t,
+                           timing.median_us if timing else None, timing.repeats if timing else 0,
+                           timing.timer if timing else "none", _now(), error)
+
+    try:
+        executor = build_executor(plan, registry, weights, device=device,
+                                  max_tokens_per_rank=max(tokens))
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot prepare is a result
+        return [record(t, None, f"prepare: {type(exc).__name__}: {exc}") for t in tokens]
+    out = []
+    for t in tokens:
+        try:
+            call = rotating_call(executor, routed_batches(plan.problem, t, device, seed + t))
+            out.append(record(t, timer(call, TuneCase(plan, t, device))))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory at one token count
+            out.append(record(t, None, f"forward: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def tune(shapes: Sequence[Shape], tokens: Sequence[int], *, registry, device: str, timer=None,
+         seed: int = 0, progress=None) -> list[Measurement]:
+    """Every measurement of ``shapes`` at ``tokens``; ``progress(n)`` is told of each one."""
+    timer = timer or Timer()
+    step = (lambda: progress(1)) if progress else (lambda: None)
+    out: list[Measurement] = []
+    for shape in shapes:
+        if not shape.plans:
+            continue
+        weights = random_weights(shape.problem, registry, device, seed)
+        for plan in shape.plans:
+            out += measure_plan(plan, weights, tokens, registry=registry, device=device,
+                                timer=timer, seed=seed, step=step)
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        del weights
+    return out

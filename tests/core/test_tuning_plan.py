@@ -1,0 +1,206 @@
+"""The planner with a tuning cache: measurements break ties between equally exact candidates at
+the deployment's token bucket, and nothing else; without a cache the plan is the declared one."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from moe_runtime import ExpertsBackendSpec, Hardware, Support, hookimpl
+from moe_runtime.backend_api import LayerProblem
+from moe_runtime.environment import Environment
+from moe_runtime.planner import Deployment, layer_candidates, plan_layer, plan_model
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
+from moe_runtime.tuning.cache import (
+    Measurement,
+    Section,
+    Tuning,
+    cache_key,
+    candidate_key,
+    load_tuning,
+    problem_key,
+    write_sections,
+)
+
+CPU = Environment("cpu", None, frozenset({"torch"}), "cpu")
+ANY = Hardware(devices=("cpu",))
+FIRST = ExpertsBackendSpec(name="first", factory="m:C", priority=50,
+                           supports=[Support(formats=["bf16", "nvfp4_w4a16"], hardware=ANY)])
+SECOND = ExpertsBackendSpec(name="second", factory="m:C", priority=40,
+                            supports=[Support(formats=["bf16", "nvfp4_w4a16"], hardware=ANY)])
+# runs nvfp4_w4a4 only as w4a16 (a declared degradation), at the highest priority
+DEGRADING = ExpertsBackendSpec(
+    name="degrading", factory="m:C", priority=90,
+    supports=[Support(formats=["nvfp4_w4a4"], runs_as="nvfp4_w4a16", hardware=ANY)])
+
+
+def layer(fmt="bf16", name="model.layers.0.mlp.experts"):
+    return LayerProblem(name, fmt, "silu", 8, 2, 64, 32)
+
+
+def registry_with(*specs) -> Registry:
+    plugin = types.ModuleType("tuning_test_plugin_" + "_".join(s.name for s in specs))
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        for s in specs:
+            register(s)
+
+    plugin.moe_runtime_register_backends = moe_runtime_register_backends
+    return Registry.from_plugin_manager(
+        get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
+
+
+SLOW = 10000.0  # the built-in backends' time where a test does not say
+
+
+def tuning_of(tmp_path, registry, p, times: dict[tuple[str, int], float], errors=(),
+              missing=()) -> Tuning:
+    """A cache file timing ``p``'s candidates as ``times`` says ((backend, tokens) -> us; the
+    others at :data:`SLOW`, except ``missing``), written and read back as a plan would."""
+    plans = layer_candidates(p, registry=registry, environment=CPU,
+                             deployment=Deployment()).plans
+    by_name = {lp.experts: lp for lp in plans}
+    for t in {t for _, t in times}:
+        for b in by_name:
+            if (b, t) not in missing:
+                times.setdefault((b, t), SLOW)
+    ms = tuple(
+        Measurement(problem_key(p, 1), candidate_key(by_name[b], t), t,
+                    None if (b, t) in errors else us, 5, "wall_clock", "2026-12-03T10:00:00Z",
+                    "forward: RuntimeError: boom" if (b, t) in errors else None)
+        for (b, t), us in times.items())
+    path = tmp_path / "tuning.json"
+    write_sections(path, [Section(cache_key(CPU, registry), CPU.to_json(), ms)])
+    tuning = load_tuning(path, CPU, registry)
+    assert tuning.cache is not None, tuning.notes
+    return tuning
+
+
+def plan(p, registry, tuning=None, **dep):
+    lp, _ = plan_layer(p, registry=registry, environment=CPU, deployment=Deployment(**dep),
+                       tuning=tuning)
+    return lp
+
+
+def test_without_a_cache_the_declared_priority_decides():
+    reg = registry_with(FIRST, SECOND)
+    assert plan(layer(), reg).experts == "first"
+    assert plan(layer(), reg, Tuning()) == plan(layer(), reg)
+
+
+def test_a_tie_is_broken_by_the_measured_fastest(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 30.0,
+                                                 ("reference", 4096): 900.0})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "second"
+    assert lp.alternatives == ("first", "cpu_dequantized", "reference")
+    assert lp.notes[-1] == (
+        f"chosen by measurement (cache {tmp_path / 'tuning.json'}, measured 2026-12-03): "
+        "second 30.0 us, first 90.0 us, reference 900.0 us, cpu_dequantized 10000.0 us at 4096 tokens "
+        "per rank")
+
+
+def test_a_measurement_that_agrees_with_the_declaration_keeps_it_and_says_so(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 10.0, ("second", 4096): 30.0,
+                                                 ("reference", 4096): 900.0})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "first" and lp.notes[-1].startswith("chosen by measurement")
+
+
+def test_the_deployments_token_bucket_decides(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    times = {("first", 16): 5.0, ("second", 16): 9.0, ("reference", 16): 99.0,
+             ("first", 4096): 90.0, ("second", 4096): 30.0, ("reference", 4096): 999.0}
+    tuning = tuning_of(tmp_path, reg, layer(), times)
+    assert plan(layer(), reg, tuning, max_tokens_per_rank=16).experts == "first"
+    assert plan(layer(), reg, tuning, max_tokens_per_rank=1).experts == "first"  # next above
+    assert plan(layer(), reg, tuning, max_tokens_per_rank=17).experts == "second"
+    assert plan(layer(), reg, tuning, max_tokens_per_rank=10000).experts == "second"  # largest
+
+
+def test_a_degraded_candidate_is_not_preferred_over_an_exact_one_however_fast(tmp_path):
+    reg = registry_with(DEGRADING, FIRST)  # FIRST does not run w4a4; the reference runs it exact
+    p = layer("nvfp4_w4a4")
+    tuning = tuning_of(tmp_path, reg, p, {("degrading", 4096): 500.0, ("reference", 4096): 1.0})
+    lp = plan(p, reg, tuning)
+    assert lp.experts == "degrading" and lp.runs_as == "nvfp4_w4a16"
+    # the measurement chose among the plans that run the weights as w4a16 only
+    assert lp.notes[-1].endswith("degrading 500.0 us, cpu_dequantized 10000.0 us at 4096 tokens "
+                                 "per rank")
+
+
+def test_a_pinned_backend_is_not_overridden_by_measurement(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0,
+                                                 ("reference", 4096): 900.0})
+    assert plan(layer(), reg, tuning, experts_backend="first").experts == "first"
+
+
+def test_a_tie_with_a_candidate_left_unmeasured_keeps_the_declared_choice_with_a_note(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0},
+                       missing={("reference", 4096)})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "first"
+    assert lp.notes[-1] == (f"declared priority decides; cache {tmp_path / 'tuning.json'} has no "
+                            "measurement of reference at 4096 tokens per rank")
+
+
+def test_a_failed_measurement_keeps_the_declared_choice(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0,
+                                                 ("reference", 4096): 9.0},
+                       errors={("first", 4096)})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "first" and "a failed measurement (forward: RuntimeError: boom)" in (
+        lp.notes[-1])
+
+
+def test_another_layer_shape_is_not_measured_by_this_one(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 16): 90.0, ("second", 16): 1.0,
+                                                 ("reference", 16): 9.0})
+    other = LayerProblem("model.layers.1.mlp.experts", "bf16", "silu", 8, 2, 128, 32)
+    lp = plan(other, reg, tuning)
+    assert lp.experts == "first" and lp.notes[-1].endswith("has no measurement of this layer "
+                                                            "shape")
+
+
+def test_layers_of_one_shape_share_measurements_and_the_plan_carries_the_cache_note(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0,
+                                                 ("reference", 4096): 9.0})
+    problems = [layer(name=f"model.layers.{i}.mlp.experts") for i in range(3)]
+    p = plan_model(problems, registry=reg, environment=CPU, tuning=tuning)
+    assert [lp.experts for lp in p.layers] == ["second"] * 3
+    assert p.notes == tuning.notes
+    assert type(p).from_json(p.to_json()) == p
+
+
+def test_an_ignored_cache_leaves_the_layers_as_declared(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    tuning = load_tuning(bad, CPU, reg)
+    problems = [layer(name=f"model.layers.{i}.mlp.experts") for i in range(2)]
+    with_note = plan_model(problems, registry=reg, environment=CPU, tuning=tuning)
+    declared = plan_model(problems, registry=reg, environment=CPU)
+    assert with_note.layers == declared.layers and with_note.rejections == declared.rejections
+    assert with_note.notes == tuning.notes and declared.notes == ()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_w4a16"])
+def test_rejections_of_a_measured_choice_are_the_declared_choices_here(tmp_path, fmt):
+    reg = registry_with(FIRST, SECOND)
+    p = layer(fmt)
+    tuning = tuning_of(tmp_path, reg, p, {("first", 4096): 90.0, ("second", 4096): 1.0,
+                                          ("reference", 4096): 9.0})
+    _, declared = plan_layer(p, registry=reg, environment=CPU, deployment=Deployment())
+    _, measured = plan_layer(p, registry=reg, environment=CPU, deployment=Deployment(),
+                             tuning=tuning)
+    assert measured == declared  # the same backends were turned down, for the same reasons
