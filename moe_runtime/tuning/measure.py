@@ -47,8 +47,9 @@ class TuneCase:
 
 @attrs.frozen
 class Timer:
-    """Times a call: ``warmup`` untimed calls, then up to ``repeats`` timed ones (fewer when one
-    call would take the ``budget_s`` seconds past: at least 3), the median."""
+    """Times a call: ``warmup`` untimed calls, then up to ``repeats`` timed ones (fewer when they
+    would take more than ``budget_s`` seconds at the last warm-up call's pace: at least 3), the
+    median. The first calls may compile kernels (JIT), so only the last warm-up call paces."""
 
     warmup: int = 3
     repeats: int = 20
@@ -56,12 +57,13 @@ class Timer:
 
     def __call__(self, fn: Callable[[], object], case: TuneCase) -> Timing:
         cuda = case.device.startswith("cuda")
-        start = time.perf_counter()
+        per_call = 0.0
         for _ in range(max(1, self.warmup)):
+            start = time.perf_counter()
             fn()
-        if cuda:
-            torch.cuda.synchronize(case.device)
-        per_call = (time.perf_counter() - start) / max(1, self.warmup)
+            if cuda:
+                torch.cuda.synchronize(case.device)
+            per_call = time.perf_counter() - start
         n = max(3, min(self.repeats, int(self.budget_s / max(per_call, 1e-9))))
         samples = self._cuda(fn, n, case.device) if cuda else self._wall(fn, n)
         return Timing(statistics.median(samples), n, "cuda_events" if cuda else "wall_clock")
@@ -108,10 +110,10 @@ def random_weights(p: LayerProblem, registry, device: str, seed: int = 0) -> Exp
         parts.append(quantize_expert_weights(w13, w2, twin, p.activation, a13_amax=ACT_AMAX,
                                              a2_amax=ACT_AMAX))
         del w13, w2
-    return attrs.evolve(_concat(parts), format=p.format)
+    return attrs.evolve(join_experts(parts), format=p.format)
 
 
-def _concat(parts: list[ExpertWeights]) -> ExpertWeights:
+def join_experts(parts: list[ExpertWeights]) -> ExpertWeights:
     """Experts of several :class:`ExpertWeights` in one; per-layer (0-dim) scales are shared."""
     first = parts[0]
     fields = {}
