@@ -13,6 +13,9 @@
 ``dynamic``. DeepSeek-V3's multi-head latent attention writes keys of ``qk_nope_head_dim +
 qk_rope_head_dim`` and values of ``v_head_dim`` per head, while its config's ``head_dim`` is
 ``qk_rope_head_dim``: the paged cache cannot hold them (the ``index_copy_`` shape error).
+
+:func:`choose_cuda_graphs` decides whether continuous batching replays CUDA graphs, and
+:func:`plan_token_bound` reads the most tokens one forward may carry from the plan.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from moe_runtime.serve.sampling import GREEDY, SLOT_KWARG, PerRequestSampler
+from moe_runtime.serve.sampling import GREEDY, SLOT_KWARG, BatchSampler
 
 log = logging.getLogger("moe_runtime.serve.batching")
 
@@ -46,11 +49,72 @@ class BatchingChoice:
 
     path: str
     reason: str
+    graphs: GraphChoice | None = None  # set by the engine once it knows the device and plan
 
     def describe(self) -> str:
         what = ("continuous batching (transformers' paged KV cache)" if self.path == CONTINUOUS
                 else "dynamic-cache batching (a padded transformers DynamicCache)")
-        return f"{what}: {self.reason}"
+        tail = f"; {self.graphs.describe()}" if self.graphs is not None else ""
+        return f"{what}: {self.reason}{tail}"
+
+
+@attrs.frozen
+class GraphChoice:
+    """Whether the decode steps replay CUDA graphs, and why.
+
+    :param max_tokens: the largest forward a graph captures (decode: one token per request;
+        transformers pads a decode batch to the next power of two, at most this).
+    """
+
+    on: bool
+    reason: str
+    max_tokens: int | None = None
+
+    def describe(self) -> str:
+        return f"CUDA graphs {'on' if self.on else 'off'}: {self.reason}"
+
+
+def plan_token_bound(plan: Any) -> tuple[int | None, str]:
+    """The most tokens one forward may carry under ``plan`` (a Plan, or its JSON), and where
+    that bound comes from; ``(None, ...)`` when the plan bounds nothing (or there is no plan).
+
+    The bound is the smallest of the deployment's ``max_tokens_per_rank`` (what the plan was made
+    for) and, per layer, the largest bound of its communication modes when every mode is bounded.
+    """
+    if plan is None:
+        return None, "no plan"
+    data = plan.to_json() if hasattr(plan, "to_json") else plan
+    bounds: list[tuple[int, str]] = []
+    deployment = data.get("deployment") or {}
+    if deployment.get("max_tokens_per_rank"):
+        bounds.append((int(deployment["max_tokens_per_rank"]),
+                       "the plan's deployment max_tokens_per_rank"))
+    for layer in data.get("layers", []):
+        modes = [m.get("max_tokens_per_rank") for m in layer.get("modes") or []]
+        if modes and all(b is not None for b in modes):
+            bounds.append((max(modes), f"layer {layer.get('layer')}'s "
+                                       f"{layer.get('communication')} modes"))
+    if not bounds:
+        return None, "the plan bounds no forward"
+    return min(bounds)
+
+
+def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
+                       requested: bool | None = None) -> GraphChoice:
+    """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
+    is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return GraphChoice(False, f"the model runs on {kind}; CUDA graphs need a CUDA device")
+    if path != CONTINUOUS:
+        return GraphChoice(False, "the dynamic cache changes shape every step, so no captured "
+                                  "graph can replay a decode step")
+    if requested is False:
+        return GraphChoice(False, "turned off by the engine's cuda_graphs=False")
+    return GraphChoice(True, f"decode batches captured at powers of two up to {max_tokens} "
+                             f"tokens ({bound_from})", max_tokens)
 
 
 def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:
@@ -162,12 +226,12 @@ class CacheBatcher:
     ``cancel_request``, ``start``, ``stop``, ``is_running``, ``fatal_error``), so the engine drives
     either. Each step it admits waiting requests up to ``max_batch_size`` (their prompts prefilled
     together, left-padded, then stacked onto the running batch), runs one decode step for every
-    running request, and drops the rows that finished. Sampling is :class:`PerRequestSampler`'s.
+    running request, and drops the rows that finished. Sampling is :class:`BatchSampler`'s.
     With ``max_cache_tokens``, a waiting request joins only while the running rows' prompts and
     ``max_new_tokens`` (the most each can hold) fit in that many tokens; the first always joins.
     """
 
-    def __init__(self, model, sampler: PerRequestSampler, *, max_batch_size: int,
+    def __init__(self, model, sampler: BatchSampler, *, max_batch_size: int,
                  pad_token_id: int, max_cache_tokens: int | None = None) -> None:
         self.model = model
         self.sampler = sampler
@@ -404,10 +468,9 @@ class CacheBatcher:
 
     def _step_tokens(self, rows: list[_Request], logits: torch.Tensor) -> None:
         """Pick each row's next token, deliver it, and drop the rows that finished."""
-        if self.sampler.on_step is not None:
-            self.sampler.on_step(len(rows))
-        keys = torch.tensor([r.slot for r in rows], dtype=torch.int32)
-        tokens = self.sampler(logits, keys).argmax(dim=-1).tolist()
+        sampler_rows = self.sampler.rows_for([r.slot for r in rows])
+        tokens = self.sampler.sample(logits, sampler_rows).tolist()  # the step's one sync
+        self.sampler.collect()
         done = set()
         for r, token in zip(rows, tokens, strict=True):
             r.generated.append(int(token))

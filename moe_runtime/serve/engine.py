@@ -5,8 +5,11 @@ chosen from the model's config: transformers' ``ContinuousBatchingManager`` (pag
 scheduler, chunked prefill, one background thread that runs the model) where its cache holds the
 model's keys and values, else :class:`~moe_runtime.serve.batching.CacheBatcher` (a padded
 ``DynamicCache``). This module only submits requests, turns their token outputs into text deltas,
-and cancels requests that end early (a stop string, a client gone). Per-request sampling runs inside
-the batch through :class:`~moe_runtime.serve.sampling.PerRequestSampler`.
+and cancels requests that end early (a stop string, a client gone). Sampling runs inside the batch
+through :class:`~moe_runtime.serve.sampling.BatchSampler` (tensor operations over the batch), which
+lets continuous batching replay CUDA graphs for decode on a CUDA device
+(:func:`~moe_runtime.serve.batching.choose_cuda_graphs`); every forward stays within the plan's
+token bound (:func:`~moe_runtime.serve.batching.plan_token_bound`).
 
 The engine is *ready* only after :meth:`Engine.probe` generated one token through the same path
 that requests take; a probe that fails raises :class:`ReadinessError`, naming the architecture, the
@@ -28,15 +31,22 @@ from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
-from moe_runtime.serve.batching import CONTINUOUS, CacheBatcher, choose_batching
+from moe_runtime.serve.batching import (
+    CONTINUOUS,
+    CacheBatcher,
+    choose_batching,
+    choose_cuda_graphs,
+    plan_token_bound,
+)
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
 from moe_runtime.serve.loading import LoadedModel
 from moe_runtime.serve.sampling import (
     SLOT_KWARG,
-    PerRequestSampler,
-    SamplerProcessorList,
+    BatchSampler,
     SamplingParams,
     TokenLogprob,
+    processor_list,
+    vocab_size_of,
 )
 
 log = logging.getLogger("moe_runtime.serve")
@@ -95,12 +105,20 @@ class Engine:
     :param seed: seeds the draws of requests that send no seed of their own, so a server
         started with the same seed answers the same unseeded requests alike (default: fresh
         randomness for each).
+    :param cuda_graphs: ``None`` (default): continuous batching replays CUDA graphs for decode
+        on a CUDA device; ``False`` turns them off. The choice and its reason are in
+        ``engine.batching.describe()`` and the start-up log.
+
+    A forward never carries more tokens than the plan's bound
+    (:func:`~moe_runtime.serve.batching.plan_token_bound`): ``max_batch_size`` and the prefill
+    chunk are capped at it.
     """
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 8,
                  max_model_len: int | None = None, block_size: int = 32,
                  batching: str = "auto", debug: bool = False,
-                 kv_cache_tokens: int | None = None, seed: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, seed: int | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -121,8 +139,23 @@ class Engine:
         self.on_tokens = None
         self.block_size = block_size
         self.eos_token_ids = self._eos_ids()
-        self.sampler = PerRequestSampler()
-        self.batching = choose_batching(config, batching)
+        bound, bound_from = plan_token_bound(loaded.plan)
+        self.token_bound = bound
+        # requests decoded together, and the tokens of one prefill forward, within the plan
+        self.batch_cap = min(max_batch_size, bound) if bound else max_batch_size
+        self.max_batch_tokens = max(256, min(2048, self.context_length))
+        if bound:
+            self.max_batch_tokens = min(self.max_batch_tokens, bound)
+        if self.batch_cap < max_batch_size:
+            log.warning("max_batch_size %d is capped at %d: %s", max_batch_size, bound,
+                        bound_from)
+        device = next(loaded.model.parameters()).device
+        batching_choice = choose_batching(config, batching)
+        graphs = choose_cuda_graphs(device, batching_choice.path, self.batch_cap,
+                                    bound_from if bound else "max_batch_size", cuda_graphs)
+        self.batching = attrs.evolve(batching_choice, graphs=graphs)
+        self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
+                                    max_batch=self.batch_cap, device=device, static=graphs.on)
         self.debug = debug
         self._manager = None
         self._ready = False
@@ -150,7 +183,7 @@ class Engine:
 
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,
-                               max_batch_size=self.max_batch_size, pad_token_id=self._pad_id(),
+                               max_batch_size=self.batch_cap, pad_token_id=self._pad_id(),
                                max_cache_tokens=self.kv_cache_tokens)
         batcher.start()
         return batcher
@@ -160,24 +193,38 @@ class Engine:
 
         logging.getLogger("ContinuousBatchingLogger").setLevel(
             logging.DEBUG if log.isEnabledFor(logging.DEBUG) else logging.ERROR)
-        # Greedy and processor-free: PerRequestSampler does every request's sampling.
+        # Greedy and processor-free: the BatchSampler does every request's sampling.
         gen = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_ids or -1,
                                pad_token_id=self._pad_id(), max_new_tokens=self.context_length)
         blocks_per_seq = math.ceil(self.context_length / self.block_size)
         cb = ContinuousBatchingConfig(
             block_size=self.block_size,
             num_blocks=max(blocks_per_seq, math.ceil(self.kv_cache_tokens / self.block_size)),
-            max_batch_tokens=max(256, min(2048, self.context_length)),
-            max_requests_per_batch=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_requests_per_batch=self.batch_cap,
             allow_block_sharing=False,
-            # PerRequestSampler runs Python per step: no CUDA graph may capture it, and a
-            # synchronous loop keeps each request's generator draws in step order.
-            use_cuda_graph=False,
+            use_cuda_graph=self.batching.graphs.on,
+            # synchronous: the sampler's per-step bookkeeping (rows, log-probabilities) follows
+            # the steps in order
             use_async_batching=False,
         )
         manager = self.loaded.model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb)
-        manager.logit_processor = SamplerProcessorList(self.sampler)
+        manager.logit_processor = processor_list(self.sampler)
+        # log-probabilities of a step are read once its tokens are on the host, before they are
+        # delivered (transformers 5.14 has no hook for it: its router's batch delivery is wrapped)
+        router = manager.output_router
+        deliver_batch = router.deliver_batch
+
+        def deliver_after_collect(outputs):
+            self.sampler.collect()
+            deliver_batch(outputs)
+
+        router.deliver_batch = deliver_after_collect
+        if self.batching.graphs.on:
+            start = time.perf_counter()
+            manager.warmup()  # captures the decode sizes before the first request
+            log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
         manager.start()
         return manager
 
@@ -305,7 +352,7 @@ class Engine:
         outputs: asyncio.Queue = asyncio.Queue()
         if sampling.seed is None and self._seeds is not None and not _probe:
             sampling = attrs.evolve(sampling, seed=self._seeds.getrandbits(63))
-        slot = self.sampler.open(sampling)
+        slot = self.sampler.open(sampling, prompt_ids)
         kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
         detok = IncrementalDetokenizer(self.tokenizer, tuple(stop))
         submitted = last_at = time.perf_counter()

@@ -1,31 +1,30 @@
-"""Per-request sampling inside transformers' continuous batching.
+"""Batched, graph-capturable sampling for both batching paths.
 
-transformers' continuous batching (5.x) samples the whole batch with one ``torch.multinomial`` on
-the background thread's global generator, and takes ``do_sample`` from the manager's shared
-generation config: a request's seed cannot make its tokens reproducible while other requests share
-the batch. It does take per-request logits processors. :class:`PerRequestSampler` is one: the
-manager runs greedy (argmax), and for every sampled request this processor applies the request's
-temperature, top-k and top-p and draws the token from the request's own ``torch.Generator``,
-leaving that token as the row's only finite logit. It also applies presence and frequency
-penalties and records log-probabilities where a request asks. Plain greedy requests pass through
-untouched. A
-request's tokens then depend on its own logits and seed only, whichever requests share its batch.
+:class:`BatchSampler` picks the next token of every running request with tensor operations over
+the batch: repetition, frequency and presence penalties, temperature, top-k, top-p and min-p (in
+transformers' order and with its definitions), then a Gumbel-max draw. Per-request parameters live
+in device tables indexed by a row per request, so one step is the same kernels whatever the batch
+holds: no Python loop over requests on the device side, no host sync (a CUDA graph can capture it).
+Random numbers are counter-based: a splitmix64 hash of (request seed, the request's position, vocab
+id), in int64 torch ops on the device. A request's tokens depend on its logits, seed and position
+only, not on which requests share its batch nor on its row. Plain greedy requests (no penalties, no
+logprobs) take no row: they share row 0, the scratch row that padding rows also index.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
-from transformers import LogitsProcessorList
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingLogitsProcessor,
-    ContinuousBatchingLogitsProcessorList,
-)
+
+# alternatives per token the sampler can record (the API accepts at most
+# protocol.MAX_LOGPROBS, which must not exceed it; this module stays free of the HTTP layer)
+MAX_LOGPROBS = 20
 
 log = logging.getLogger("moe_runtime.serve")
 
@@ -33,34 +32,77 @@ SLOT_KWARG = "moe_runtime_sampling_slot"
 GREEDY = -1
 
 
+class SamplingError(ValueError):
+    """Sampling parameters no sampler accepts; the message names the field and what is accepted."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SamplingError(message)
+
+
 @attrs.frozen
 class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` is greedy.
+    """How one request picks its tokens. ``temperature == 0`` (or ``top_k == 1``) is greedy.
 
+    :param top_k: keep the ``top_k`` likeliest tokens (0: no top-k filter).
+    :param min_p: drop tokens less likely than ``min_p`` times the likeliest one (0: off).
     :param logprobs: record each chosen token's log-probability and this many likeliest
         alternatives (``None``: record nothing). Log-probabilities are the model's own
         (``log_softmax`` of the raw logits, before penalties, temperature and filters).
     :param presence_penalty: subtracted once from the logit of every token already generated.
     :param frequency_penalty: subtracted from a token's logit once per time it was generated.
+    :param repetition_penalty: transformers' (CTRL's) penalty over prompt and generated tokens: a
+        positive logit is divided by it, a negative one multiplied (1: off).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
+    top_k: int = 0
     seed: int | None = None
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        def finite(name):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}")
+            return value
+
+        _check(finite("temperature") >= 0, f"temperature must be 0 (greedy) or more, got "
+                                           f"{self.temperature}")
+        _check(0 < finite("top_p") <= 1, f"top_p must lie in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer, 0 (off) or more, got {self.top_k!r}")
+        _check(0 <= finite("min_p") <= 1, f"min_p must lie in [0, 1], got {self.min_p}")
+        _check(finite("repetition_penalty") > 0,
+               f"repetition_penalty must be above 0 (1: off), got {self.repetition_penalty}")
+        finite("presence_penalty")
+        finite("frequency_penalty")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+               f"{self.logprobs!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
     def needs_slot(self) -> bool:
-        """Whether the sampler must see this request's rows (not a plain greedy one)."""
-        return not self.greedy or self.logprobs is not None or bool(
-            self.presence_penalty or self.frequency_penalty)
+        """Whether the request needs a row of its own (not a plain greedy one)."""
+        return not self.greedy or self.logprobs is not None or self.penalized
 
 
 @attrs.frozen
@@ -72,87 +114,130 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-class _Slot:
-    __slots__ = ("params", "generator", "counts", "records")
+# ------------------------------------------------------------------ counter-based random numbers
 
-    def __init__(self, params: SamplingParams) -> None:
+def _signed(value: int) -> int:
+    return value - 2**64 if value >= 2**63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (multiplication wraps modulo 2**64)."""
+    x = x ^ _shr(x, 30)
+    x = x * _MIX1
+    x = x ^ _shr(x, 27)
+    x = x * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in (0, 1), one per ``ids`` entry, a function of (seed, position, id) only.
+
+    ``seeds`` and ``positions`` are int64 of shape [B]; ``ids`` int64 of shape [B, N].
+    """
+    row = splitmix64(seeds + splitmix64(positions * _GOLDEN + 1))
+    bits = splitmix64(row[:, None] + (ids + 1) * _GOLDEN)
+    return (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+# ------------------------------------------------------------------------------- the sampler
+
+# columns of the float parameter table
+_T, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _GREEDY = range(7)
+# columns of the integer parameter table
+_TOP_K, _SEED, _POS = range(3)
+_PROMPT_BIT = 1 << 30  # counts: generated-token count in the low bits, this bit: in the prompt
+
+
+class _Slot:
+    __slots__ = ("params", "seed", "prompt", "records", "row")
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int]) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed % 2**64)
-        self.counts: dict[int, int] = {}
+        self.seed = _signed(seed % 2**64)
+        self.prompt = tuple(prompt) if params.repetition_penalty != 1.0 else ()
         self.records: list[TokenLogprob] = []
-
-    def penalize(self, row: torch.Tensor) -> None:
-        """Presence and frequency penalties, in place, over the tokens generated so far."""
-        p = self.params
-        if not self.counts or not (p.presence_penalty or p.frequency_penalty):
-            return
-        ids = torch.tensor(list(self.counts), device=row.device)
-        counts = torch.tensor(list(self.counts.values()), dtype=row.dtype, device=row.device)
-        row.index_put_((ids,), -(p.frequency_penalty * counts + p.presence_penalty),
-                       accumulate=True)
-
-    def choose(self, row: torch.Tensor) -> tuple[int, bool]:
-        """The row's token, and whether the row must be rewritten to make the batch take it."""
-        p = self.params
-        raw = row
-        if p.logprobs is not None:
-            logp = torch.log_softmax(raw.float(), dim=-1)
-        if p.presence_penalty or p.frequency_penalty:
-            row = row.clone().float()
-            self.penalize(row)
-        if p.greedy:
-            token, forced = int(row.argmax()), row is not raw
-        else:
-            token, forced = self.sample(row), True
-        if p.logprobs is not None:
-            top = ()
-            if p.logprobs > 0:
-                values, ids = torch.topk(logp, min(p.logprobs, logp.numel()))
-                top = tuple(zip(ids.tolist(), values.tolist()))
-            self.records.append(TokenLogprob(token, float(logp[token]), top))
-        self.counts[token] = self.counts.get(token, 0) + 1
-        return token, forced
-
-    def sample(self, logits: torch.Tensor) -> int:
-        p = self.params
-        row = logits.float() / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            row = row.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(row, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        self.row: int | None = None
 
 
-class PerRequestSampler(ContinuousBatchingLogitsProcessor):
-    """A continuous-batching logits processor that samples each request with its own generator."""
+class BatchSampler:
+    """Samples the next token of each row of a batch of logits; see the module docstring.
 
-    supported_kwargs = {SLOT_KWARG: int}
-    ignored_kwargs = ()
+    :param vocab_size: columns of the logits (the LM head's output size).
+    :param max_slots: requests that may hold a row at once (plain greedy ones hold none).
+    :param max_batch: most logits rows in one step (sizes the log-probability buffers).
+    :param device: where the tables live (the model's device).
+    :param static: run every stage on every step (what a CUDA graph captures). Without it a step
+        skips the stages no row of the batch uses; a row's token is the same either way.
 
-    def __init__(self) -> None:
+    ``open``, ``close`` and ``records`` may be called from any thread; ``rows_for``, ``sample`` and
+    ``collect`` from the batching thread only, in that order each step.
+    """
+
+    def __init__(self, vocab_size: int, *, max_slots: int = 64, max_batch: int = 64,
+                 device: str | torch.device = "cpu", static: bool = False) -> None:
+        _check(vocab_size >= 1 and max_slots >= 1 and max_batch >= 1,
+               f"vocab_size, max_slots and max_batch must be positive, got {vocab_size}, "
+               f"{max_slots}, {max_batch}")
+        self.vocab_size = vocab_size
+        self.max_slots = max_slots
+        self.max_batch = max_batch
+        self.device = torch.device(device)
+        self.static = static
+        rows = max_slots + 1  # row 0: greedy scratch (plain greedy requests and padding)
+        self._fparams = torch.zeros((rows, 7), dtype=torch.float32, device=self.device)
+        self._iparams = torch.zeros((rows, 3), dtype=torch.int64, device=self.device)
+        self._fparams[:, [_T, _TOP_P, _REP, _GREEDY]] = 1.0
+        self._iparams[:, _TOP_K] = vocab_size
+        self._counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=self.device)
+        self._lp_chosen = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
+        self._lp_values = torch.zeros((max_batch, MAX_LOGPROBS), dtype=torch.float32,
+                                      device=self.device)
+        self._lp_ids = torch.zeros((max_batch, MAX_LOGPROBS), dtype=torch.int64,
+                                   device=self.device)
+        self._tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._slots: dict[int, _Slot] = {}
+        self._closed: list[_Slot] = []
+        self._free = list(range(max_slots, 0, -1))
         self._lock = threading.Lock()
         self._next = 0
+        # the last step, for collect(): its slots (None: a greedy row) and what it ran
+        self._step: list[_Slot | None] = []
+        self._flags = (True, True, True)
         # called with the number of sequences that get a token, once per forward step
         self.on_step: Callable[[int], None] | None = None
 
-    def open(self, params: SamplingParams) -> int:
-        """Register a request's sampling; returns the slot to pass as ``SLOT_KWARG`` (or GREEDY)."""
+    # --- any thread
+
+    def open(self, params: SamplingParams, prompt: Sequence[int] = ()) -> int:
+        """Register a request; returns the key to pass as ``SLOT_KWARG`` (or GREEDY: no row)."""
         if not params.needs_slot:
             return GREEDY
-        slot = _Slot(params)
+        slot = _Slot(params, prompt)
         with self._lock:
             key = self._next
             self._next = (self._next + 1) % (2**31 - 1)
             self._slots[key] = slot
         return key
+
+    def close(self, key: int) -> None:
+        """The request is done: its row returns to the pool (on the batching thread's next step)."""
+        if key == GREEDY:
+            return
+        with self._lock:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._closed.append(slot)
 
     def records(self, key: int) -> list[TokenLogprob]:
         """The log-probabilities recorded so far for a request (empty: none asked for)."""
@@ -160,52 +245,227 @@ class PerRequestSampler(ContinuousBatchingLogitsProcessor):
             slot = self._slots.get(key)
             return list(slot.records) if slot is not None else []
 
-    def close(self, key: int) -> None:
-        if key != GREEDY:
-            with self._lock:
-                self._slots.pop(key, None)
-
     @property
     def open_slots(self) -> int:
         return len(self._slots)
 
-    # --- the ContinuousBatchingLogitsProcessor interface (called on the batching thread)
+    # --- the batching thread
 
-    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
-        int32_tensor.fill_(GREEDY)
+    def rows_for(self, keys: Sequence[int]) -> torch.Tensor:
+        """The table rows of one step's requests (int32, on the host), in ``keys`` order.
 
-    def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
-        if self.on_step is not None and requests_with_new_token:
-            self.on_step(len(requests_with_new_token))
-        keys = [r.state.logit_processor_kwargs.get(SLOT_KWARG, GREEDY)
-                for r in requests_with_new_token]
-        return torch.tensor(keys, dtype=torch.int32)
-
-    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        keys = tensor_arg[: scores.size(0)].tolist()
-        if all(k == GREEDY for k in keys):
-            return scores
+        A request's row is assigned and written the first time it is sampled; rows of closed
+        requests return to the pool here.
+        """
         with self._lock:
+            for slot in self._closed:
+                if slot.row is not None:
+                    self._free.append(slot.row)
+                    slot.row = None
+            self._closed.clear()
             slots = [self._slots.get(k) if k != GREEDY else None for k in keys]
-        for i, slot in enumerate(slots):
-            if slot is None:
-                continue
-            try:
-                token, forced = slot.choose(scores[i])
-            except RuntimeError:
-                # e.g. non-finite logits; an exception here would stop the whole batching thread
-                log.exception("sampling failed; this step of the request is greedy")
-                continue
-            if forced:
-                scores[i].fill_(float("-inf"))
-                scores[i, token] = 0.0
-        return scores
+        fresh = [s for s in slots if s is not None and s.row is None]
+        if fresh:
+            self._assign(fresh)
+        self._step = slots
+        if self.on_step is not None and keys:
+            self.on_step(len(keys))
+        live = [s.params for s in slots if s is not None]
+        self._flags = (any(not p.greedy for p in live), any(p.penalized for p in live),
+                       any(p.logprobs is not None for p in live))
+        return torch.tensor([s.row if s is not None else 0 for s in slots], dtype=torch.int32)
+
+    def _assign(self, fresh: list[_Slot]) -> None:
+        if len(fresh) > len(self._free):
+            raise SamplingError(
+                f"{len(self._slots)} requests hold sampling rows and {len(fresh)} more need one, "
+                f"but the sampler has {self.max_slots} rows (max_slots)")
+        for s in fresh:
+            s.row = self._free.pop()
+        rows = torch.tensor([s.row for s in fresh], dtype=torch.int64)
+        fvals, ivals = [], []
+        for s in fresh:
+            p = s.params
+            fvals.append([1.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                          p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                          1.0 if p.greedy else 0.0])
+            top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+            ivals.append([top_k, s.seed, 0])
+        dev_rows = rows.to(self.device)
+        self._fparams.index_copy_(0, dev_rows, torch.tensor(fvals).to(self.device))
+        self._iparams.index_copy_(0, dev_rows, torch.tensor(ivals, dtype=torch.int64)
+                                  .to(self.device))
+        self._counts.index_fill_(0, dev_rows, 0)
+        for s in fresh:
+            ids = [t for t in s.prompt if 0 <= t < self.vocab_size]
+            if ids:
+                self._counts[s.row].index_fill_(
+                    0, torch.tensor(ids, dtype=torch.int64).to(self.device), _PROMPT_BIT)
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The next token of each row (int64 [B], on the logits' device); no host sync.
+
+        ``logits``: [B, vocab_size]; ``rows``: [B] from :meth:`rows_for` (on any device).
+        """
+        b, v = logits.shape
+        if v != self.vocab_size or b > self.max_batch:
+            raise SamplingError(f"logits of shape {tuple(logits.shape)}: the sampler was made "
+                                f"for {self.vocab_size} columns and at most {self.max_batch} rows")
+        sampled, penalized, logprobs = (True, True, True) if self.static else self._flags
+        rows = rows.to(device=logits.device, dtype=torch.int64)
+        raw = logits.float()
+        fp = self._fparams.index_select(0, rows)
+        ip = self._iparams.index_select(0, rows)
+        x = _penalize(raw, fp, self._counts.index_select(0, rows)) if penalized else raw
+        tokens = x.argmax(dim=-1)
+        if sampled:
+            tokens = torch.where(fp[:, _GREEDY] > 0, tokens, self._draw(x, fp, ip))
+        if logprobs:
+            logp = torch.log_softmax(raw, dim=-1)
+            self._lp_chosen[:b].copy_(logp.gather(1, tokens[:, None])[:, 0])
+            k = min(MAX_LOGPROBS, v)
+            values, ids = torch.topk(logp, k, dim=-1)
+            self._lp_values[:b, :k].copy_(values)
+            self._lp_ids[:b, :k].copy_(ids)
+        # the step's bookkeeping: each row's position and (if any row is penalized) counts
+        self._iparams.index_put_((rows, torch.full_like(rows, _POS)), torch.ones_like(rows),
+                                 accumulate=True)
+        if penalized:
+            self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                    accumulate=True)
+        self._tokens[:b].copy_(tokens)
+        return tokens
+
+    def _draw(self, x: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor) -> torch.Tensor:
+        """A Gumbel-max draw from the filtered logits, keyed by (seed, position, token id)."""
+        ascending, order = _filter(x, fp, ip)
+        u = uniforms(ip[:, _SEED], ip[:, _POS], order)
+        pick = (ascending - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
+        return order.gather(1, pick)[:, 0]
+
+    def filtered_logits(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """What each row's draw samples from: penalized, tempered and filtered logits (-inf where
+        filtered). For tests and inspection; it does not advance positions."""
+        rows = rows.to(device=logits.device, dtype=torch.int64)
+        fp = self._fparams.index_select(0, rows)
+        ip = self._iparams.index_select(0, rows)
+        x = _penalize(logits.float(), fp, self._counts.index_select(0, rows))
+        ascending, order = _filter(x, fp, ip)
+        return torch.empty_like(ascending).scatter_(1, order, ascending)
+
+    def collect(self) -> None:
+        """After the host has the last step's tokens: record log-probabilities for the rows of
+        that step that asked for them (one device-to-host copy, only then)."""
+        wanted = [(i, s) for i, s in enumerate(self._step)
+                  if s is not None and s.params.logprobs is not None]
+        if not wanted:
+            return
+        n = len(self._step)
+        tokens = self._tokens[:n].tolist()
+        chosen = self._lp_chosen[:n].tolist()
+        values = self._lp_values[:n].tolist()
+        ids = self._lp_ids[:n].tolist()
+        with self._lock:
+            for i, s in wanted:
+                top = min(s.params.logprobs, self.vocab_size)
+                s.records.append(TokenLogprob(tokens[i], chosen[i],
+                                              tuple(zip(ids[i][:top], values[i][:top]))))
 
 
-class SamplerProcessorList(ContinuousBatchingLogitsProcessorList):
-    """The manager's processor list: only :class:`PerRequestSampler` (one int per request)."""
+def _penalize(x: torch.Tensor, fp: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Repetition penalty (transformers' RepetitionPenaltyLogitsProcessor, over prompt and
+    generated tokens), then frequency and presence penalties over the generated tokens."""
+    generated = (counts & (_PROMPT_BIT - 1)).float()
+    rep = fp[:, _REP, None]
+    x = torch.where(counts != 0, torch.where(x < 0, x * rep, x / rep), x)
+    return x - fp[:, _FREQ, None] * generated - fp[:, _PRES, None] * (generated > 0).float()
 
-    def __init__(self, sampler: PerRequestSampler) -> None:
-        super().__init__(LogitsProcessorList([sampler]), per_request_processors=False)
-        # the base class counts storage rows only for the processors it converts itself
-        self.tensors_required = 1
+
+def _filter(x: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor):
+    """Temperature, top-k, top-p and min-p, in transformers' order and as its warpers define them
+    (min_tokens_to_keep 1), on logits sorted ascending: returns them (-inf where filtered) and
+    the sort order."""
+    v = x.shape[-1]
+    ninf = float("-inf")
+    ascending, order = torch.sort(x / fp[:, _T, None], dim=-1)
+    # top-k: keep what is at least the k-th largest (ties kept, as TopKLogitsWarper does)
+    kth = ascending.gather(1, (v - ip[:, _TOP_K].clamp(1, v))[:, None])
+    ascending = ascending.masked_fill(ascending < kth, ninf)
+    # top-p: drop the tokens whose ascending cumulative mass is at most 1 - top_p
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - fp[:, _TOP_P, None])
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, ninf)
+    # min-p: drop what is less likely than min_p times the likeliest (the last one, ascending)
+    probs = ascending.softmax(dim=-1)
+    drop = probs < fp[:, _MIN_P, None] * probs[:, -1:]
+    drop[:, -1] = False
+    return ascending.masked_fill(drop, ninf), order
+
+
+def vocab_size_of(model) -> int:
+    """Columns of the model's logits: the output embedding's rows, else ``config.vocab_size``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+# ---------------------------------------------------------- transformers' continuous batching
+
+def _processor_classes():
+    from transformers import LogitsProcessorList
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    return LogitsProcessorList, ContinuousBatchingLogitsProcessor, \
+        ContinuousBatchingLogitsProcessorList
+
+
+def processor_list(sampler: BatchSampler):
+    """The continuous-batching manager's logits processor list: ``sampler`` picks every row's
+    token and leaves it as the row's only finite logit (the manager runs greedy).
+
+    It writes the whole argument row each step: the manager resets that row only once, and a
+    CUDA graph's padding rows would otherwise read the rows of earlier requests.
+    """
+    processors, base, base_list = _processor_classes()
+
+    class _Rows(base):
+        supported_kwargs = {SLOT_KWARG: int}
+        ignored_kwargs = ()
+
+        def fill_defaults(self, int32_tensor):
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_with_new_token):  # pragma: no cover - unused
+            raise NotImplementedError
+
+        def __call__(self, scores, tensor_arg):  # pragma: no cover - unused
+            raise NotImplementedError
+
+    class SamplerProcessorList(base_list):
+        def __init__(self) -> None:
+            super().__init__(processors([_Rows()]), per_request_processors=False)
+            self.tensors_required = 1
+            self.sampler = sampler
+
+        def fill_defaults(self, int32_tensor):
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_in_batch, arg_storage):
+            keys = [r.state.logit_processor_kwargs.get(SLOT_KWARG, GREEDY)
+                    for r in requests_in_batch if r.has_new_token]
+            rows = torch.zeros(arg_storage.shape[-1], dtype=torch.int32)
+            rows[:len(keys)] = sampler.rows_for(keys)
+            arg_storage[0].copy_(rows)
+            return arg_storage
+
+        def __call__(self, input_ids, scores, logits_processor_args):
+            tokens = sampler.sample(scores, logits_processor_args[0, :scores.shape[0]])
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter_(1, tokens[:, None], 0.0)
+
+    return SamplerProcessorList()

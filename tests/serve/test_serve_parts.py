@@ -1,4 +1,4 @@
-"""The parts under the server: stop strings, per-request sampling, the command's early errors."""
+"""The parts under the server: stop strings and the command's early errors (sampling: test_sampling.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from moe_runtime.serve import add_serve_arguments
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
-from moe_runtime.serve.sampling import GREEDY, PerRequestSampler, SamplingParams
 from moe_runtime.serve.tiny_tokenizer import save_tokenizer
 
 
@@ -48,52 +46,6 @@ def test_text_that_only_looks_like_a_stop_string_is_released(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, ("brown",))
     assert "".join(_stream(detok, ids)) == "The quick brow"
     assert not detok.stopped
-
-
-def _sample_rows(sampler, keys, logits):
-    scores = logits.clone()
-    sampler(scores, torch.tensor(keys, dtype=torch.int32))
-    return scores.argmax(-1).tolist()
-
-
-def test_each_request_samples_from_its_own_generator():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    alone = []
-    for seed in (1, 2, 3):
-        s = PerRequestSampler()
-        k = s.open(SamplingParams(temperature=1.0, seed=seed))
-        alone.append([_sample_rows(s, [k], logits[i : i + 1])[0] for i in range(4)])
-    s = PerRequestSampler()
-    keys = [s.open(SamplingParams(temperature=1.0, seed=seed)) for seed in (1, 2, 3)]
-    together = [[], [], []]
-    for i in range(4):
-        # a greedy request shares the batch; the order of rows changes every step
-        order = [(i + j) % 3 for j in range(3)]
-        rows = torch.stack([logits[i]] * 4)
-        picked = _sample_rows(s, [keys[j] for j in order] + [GREEDY], rows)
-        for j, tok in zip(order, picked[:3], strict=True):
-            together[j].append(tok)
-        assert picked[3] == int(logits[i].argmax())
-    assert together == alone
-
-
-def test_top_p_and_top_k_keep_only_the_likeliest_tokens():
-    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
-    for params in (SamplingParams(temperature=1.0, top_p=0.5, seed=0),
-                   SamplingParams(temperature=1.0, top_k=1, seed=0)):
-        s = PerRequestSampler()
-        key = s.open(params)
-        got = {_sample_rows(s, [key], logits)[0] for _ in range(50)}
-        assert got == {0}
-    s = PerRequestSampler()
-    key = s.open(SamplingParams(temperature=1.0, top_k=2, seed=0))
-    assert {_sample_rows(s, [key], logits)[0] for _ in range(200)} <= {0, 1}
-
-
-def test_greedy_requests_take_no_slot():
-    s = PerRequestSampler()
-    assert s.open(SamplingParams(temperature=0.0, seed=5)) == GREEDY
-    assert s.open_slots == 0
 
 
 def test_serve_options_have_safe_defaults():

@@ -1,0 +1,98 @@
+"""Continuous batching with CUDA graphs: the choice, and (on a GPU) the same greedy tokens as eager."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_runtime.serve.batching import CONTINUOUS, DYNAMIC, choose_cuda_graphs, plan_token_bound
+from moe_runtime.serve.sampling import SamplingParams
+
+
+def test_graphs_stay_off_on_a_cpu_and_say_why():
+    off = choose_cuda_graphs("cpu", CONTINUOUS, 8, "max_batch_size")
+    assert not off.on and "runs on cpu" in off.describe()
+    assert not choose_cuda_graphs("cuda:0", DYNAMIC, 8, "max_batch_size").on
+    assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "x", requested=False).on
+    on = choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "the plan's deployment max_tokens_per_rank")
+    assert on.on and on.max_tokens == 8 and "up to 8 tokens" in on.describe()
+
+
+def test_the_token_bound_is_the_smallest_the_plan_declares():
+    plan = {"deployment": {"max_tokens_per_rank": 4096},
+            "layers": [{"layer": "model.layers.0.mlp", "communication": "deepep",
+                        "modes": [{"max_tokens_per_rank": 128}, {"max_tokens_per_rank": 1024}]},
+                       {"layer": "model.layers.1.mlp", "communication": "local",
+                        "modes": [{"max_tokens_per_rank": None}]}]}
+    assert plan_token_bound(plan) == (1024, "layer model.layers.0.mlp's deepep modes")
+    assert plan_token_bound({"deployment": {"max_tokens_per_rank": 64}, "layers": []})[0] == 64
+    assert plan_token_bound(None)[0] is None
+    assert plan_token_bound({"layers": []})[0] is None
+
+
+def test_an_engine_on_a_cpu_reports_graphs_off(model_dir):
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    engine = Engine(load_for_serving(model_dir, dtype="float32", progress=False),
+                    max_batch_size=4)
+    assert "CUDA graphs off: the model runs on cpu" in engine.batching.describe()
+    assert not engine.sampler.static
+
+
+# ------------------------------------------------------------------------------------ on a GPU
+
+def _gpu_model(tmp: Path) -> Path:
+    """The embedded default recipe, NVFP4 experts where nvidia-modelopt can export them (else bf16):
+    ``MOE_RUNTIME_GRAPH_MODEL`` may name a checkpoint made elsewhere."""
+    given = os.environ.get("MOE_RUNTIME_GRAPH_MODEL")
+    if given:
+        return Path(given)
+    from moe_runtime.serve.default_model import make_default_model
+
+    try:
+        import modelopt.torch.export  # noqa: F401
+        quant = "w4a16_nvfp4"
+    except ImportError:
+        quant = "bf16"
+    return make_default_model(tmp / quant, quant=quant)
+
+
+async def _greedy_batch(engine, prompts, max_tokens):
+    greedy = SamplingParams(temperature=0.0)
+    results = await asyncio.gather(*[engine.complete(p, max_tokens=max_tokens, sampling=greedy)
+                                     for p in prompts])
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
+                                                            "captured only there)")
+def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    # float32: a padded graph batch and an unpadded eager one then round alike (in bf16 the
+    # GEMMs of the two shapes differ in their last bits, enough to flip a near-tie argmax)
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    tokens = {}
+    for graphs in (False, None):
+        engine = Engine(loaded, max_batch_size=8, max_model_len=256, cuda_graphs=graphs,
+                        batching="continuous")
+        assert engine.batching.graphs.on is (graphs is None), engine.batching.describe()
+        engine.start()
+        try:
+            prompts = [engine.encode_prompt(f"request {i}: once upon a time") for i in range(6)]
+            tokens[graphs] = asyncio.run(_greedy_batch(engine, prompts, 24))
+            if graphs is None:  # transformers keeps its captured graphs by padded shape
+                captured = engine._manager.batch_processor.inputs_and_outputs.graphs._storage
+                assert captured, "no graph was captured"
+        finally:
+            engine.shutdown()
+    assert all(len(t) == 24 for t in tokens[False])
+    assert tokens[None] == tokens[False]
