@@ -291,26 +291,28 @@ class TuningCache:
 
     def fastest(self, plans: Sequence[LayerPlan], dep: Deployment) -> tuple[int | None, str]:
         """Index of the plan measured fastest at the deployment's bucket, and a note for the
-        plan; ``None`` (declared order stands) when a plan lacks a good measurement there.
+        plan; ``None`` (declared order stands) when the declared choice ``plans[0]`` has no good
+        measurement there. Plans without one take no part (nothing says they are faster).
 
         The bucket is the smallest measured token count at or above ``max_tokens_per_rank``,
         else the largest measured."""
         problem = problem_key(plans[0].problem, dep.ep_size)
         counts = self.token_counts(problem)
-        undecided = f"declared priority decides; cache {self.path}"
         if not counts:
-            return None, f"{undecided} has no measurement of this layer shape"
+            return None, (f"declared priority decides; cache {self.path} has no measurement of "
+                          "this layer shape")
         bucket = next((t for t in counts if t >= dep.max_tokens_per_rank), counts[-1])
         found = [self.lookup(problem, lp, bucket) for lp in plans]
-        for lp, m in zip(plans, found):
-            if m is None or m.median_us is None:
-                why = "no measurement" if m is None else f"a failed measurement ({m.error})"
-                return None, (f"{undecided} has {why} of {lp.experts} at {_tokens(bucket)} "
-                              "per rank")
-        times = [m.median_us for m in found]
-        best = min(range(len(plans)), key=lambda i: (times[i], i))
-        day = max(m.measured_at for m in found)[:10]
-        ranking = ", ".join(f"{plans[i].experts} {times[i]:.1f} us"
-                            for i in sorted(range(len(plans)), key=lambda i: (times[i], i)))
-        return best, (f"chosen by measurement (cache {self.path}, measured {day}): {ranking} "
-                      f"at {_tokens(bucket)} per rank")
+        timed = [i for i, m in enumerate(found) if m is not None and m.median_us is not None]
+        if 0 not in timed:
+            m = found[0]
+            why = "no measurement" if m is None else f"a failed measurement ({m.error})"
+            return None, (f"declared priority decides; cache {self.path} has {why} of "
+                          f"{plans[0].experts} at {_tokens(bucket)} per rank")
+        ranked = sorted(timed, key=lambda i: (found[i].median_us, i))
+        day = max(found[i].measured_at for i in timed)[:10]
+        ranking = ", ".join(f"{plans[i].experts} {found[i].median_us:.1f} us" for i in ranked)
+        left = [plans[i].experts for i in range(len(plans)) if i not in timed]
+        return ranked[0], (f"chosen by measurement (cache {self.path}, measured {day}): "
+                           f"{ranking} at {_tokens(bucket)} per rank"
+                           + (f" (not measured: {', '.join(left)})" if left else ""))

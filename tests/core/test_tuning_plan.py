@@ -141,24 +141,41 @@ def test_a_pinned_backend_is_not_overridden_by_measurement(tmp_path):
     assert plan(layer(), reg, tuning, experts_backend="first").experts == "first"
 
 
-def test_a_tie_with_a_candidate_left_unmeasured_keeps_the_declared_choice_with_a_note(tmp_path):
+def test_tied_plans_left_unmeasured_take_no_part(tmp_path):
     reg = registry_with(FIRST, SECOND)
-    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0},
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 50.0},
                        missing={("reference", 4096)})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "second"
+    assert lp.notes[-1].endswith("second 50.0 us, first 90.0 us, cpu_dequantized 10000.0 us at "
+                                 "4096 tokens per rank (not measured: reference)")
+
+
+def test_an_unmeasured_declared_choice_stands_with_a_note(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("second", 4096): 1.0},
+                       missing={("first", 4096)})
     lp = plan(layer(), reg, tuning)
     assert lp.experts == "first"
     assert lp.notes[-1] == (f"declared priority decides; cache {tmp_path / 'tuning.json'} has no "
-                            "measurement of reference at 4096 tokens per rank")
+                            "measurement of first at 4096 tokens per rank")
 
 
-def test_a_failed_measurement_keeps_the_declared_choice(tmp_path):
+def test_a_failed_measurement_of_the_declared_choice_keeps_it(tmp_path):
     reg = registry_with(FIRST, SECOND)
-    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0,
-                                                 ("reference", 4096): 9.0},
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0},
                        errors={("first", 4096)})
     lp = plan(layer(), reg, tuning)
     assert lp.experts == "first" and "a failed measurement (forward: RuntimeError: boom)" in (
         lp.notes[-1])
+
+
+def test_a_failed_measurement_of_another_plan_takes_no_part(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 4096): 90.0, ("second", 4096): 1.0},
+                       errors={("second", 4096)})
+    lp = plan(layer(), reg, tuning)
+    assert lp.experts == "first" and lp.notes[-1].endswith("(not measured: second)")
 
 
 def test_another_layer_shape_is_not_measured_by_this_one(tmp_path):
