@@ -729,7 +729,7 @@ def route_batch(spec, N, device, gen):
     return ids, wts, (lambda: route(logits, cfg, bias))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short subset (2 shapes, 3 token counts)")
     ap.add_argument("--tune", action="store_true", help="tune our tile configs per row")
@@ -746,11 +746,13 @@ def main():
                     help="processes that fill Triton's compile cache first (0: none)")
     ap.add_argument("--time-budget", type=float, default=480.0,
                     help="seconds; rows past it are skipped (reported)")
-    args = ap.parse_args()
+    ap.add_argument("--grouped-min-tokens", type=int, default=1024,
+                    help="rows with at least this many tokens also time our torch grouped GEMM "
+                         "path (triton_grouped)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the rows and implementations this command would time, then exit")
+    args = ap.parse_args(argv)
     t_start = time.time()
-    outdir = Path(args.out)
-    outdir.mkdir(parents=True, exist_ok=True)
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     timer = Timer(device)
@@ -762,8 +764,8 @@ def main():
     if args.rows:
         keep = {r.split(":")[0] for r in args.rows}
         shapes = {k: v for k, v in shapes.items() if k in keep}
-    if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes}
+    if args.shapes:  # in the order given (rows past the time budget are skipped: first first)
+        shapes = {k: shapes[k] for k in dict.fromkeys(args.shapes) if k in shapes}
     elif args.quick and not args.smoke:
         shapes = {k: SHAPES[k] for k in ("qwen3-30b-a3b", "qwen3.5-397b-a17b")}
     tokens = args.tokens or ([1, 16, 128] if args.smoke else
@@ -771,6 +773,19 @@ def main():
     formats = args.formats or FORMATS
     if args.rows:
         tokens = sorted({int(r.split(":")[1]) for r in args.rows})
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        ap.error(f"unknown format(s) {unknown}; accepted: {FORMATS}")
+    if not shapes:
+        ap.error(f"no shape selected; accepted: {sorted(SMOKE_SHAPES if args.smoke else SHAPES)}")
+    if args.dry_run:
+        for line in run_plan(shapes, tokens, formats, args):
+            log(line)
+        return
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    if os.environ.pop(ops.GROUPED_MM_ENV, None) is not None:
+        log(f"{ops.GROUPED_MM_ENV} unset for this run: each row names its path itself")
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -892,6 +907,7 @@ def main():
             for fmt in formats:
                 w, pw = prepared[fmt]
                 row = {"shape": sname, "tokens": N, "format": fmt, "E_local": E_loc,
+                       "table_key": ops.table_key(fmt, E_loc, H, I, K),
                        "experts_touched": round(touched, 1), "valid_pairs": valid_pairs,
                        "router_us": round(router_t * 1e6, 1), "impl": {}}
                 rate = ceil["fp8_TFLOPs"] if fmt == "fp8_w8a8" else ceil["bf16_TFLOPs"]
@@ -952,6 +968,7 @@ def main():
                     use_graph = device == "cuda" and N <= GRAPH_MAX_TOKENS
 
                     def time_cfg_(c):
+                        c = dict(c, grouped_mm=bool(c.get("grouped_mm")))
                         calls = [(lambda s=s, c=c: ops.fused_moe_prepared(*s, pw, config=c))
                                  for s in sets]
                         if use_graph:  # decode runs from CUDA graphs: tune what is replayed
@@ -994,6 +1011,10 @@ def main():
                                 trials.append((time_cfg(cd), cd))
                         trials.append((time_cfg(cfg), cfg))
                         best = min(trials, key=lambda z: z[0])[1]
+                        if not grouped_skip_reason(ops, pw, device, N, args.grouped_min_tokens):
+                            cg = dict(best, grouped_mm=True)
+                            trials.append((time_cfg(cg), cg))
+                            best = min(trials, key=lambda z: z[0])[1]
                         cfg = best
                         row["tune_trials"] = len(trials)
                     except Exception as exc:
@@ -1001,12 +1022,25 @@ def main():
                         log(f"   tune failed {sname} N={N} {fmt}: {row['tune_error']}")
                     tuned.setdefault(ops.table_key(fmt, E_loc, H, I, K), {})[str(N)] = cfg
                 row["triton_config"] = ops.describe_config(cfg)
+                # "triton": the Triton GEMMs; "triton_grouped": the same backend's torch grouped
+                # GEMM path (plugin.TORCH_GROUPED_GEMMS), which the tuned table may pick per row
+                cfg_t, cfg_g = dict(cfg, grouped_mm=False), dict(cfg, grouped_mm=True)
                 record("triton", lambda: (lambda x, i, t: ops.fused_moe_prepared(
-                    x, i, t, pw, config=cfg)))
+                    x, i, t, pw, config=cfg_t)))
+                grouped_why = grouped_skip_reason(ops, pw, device, N, args.grouped_min_tokens)
+                if grouped_why:
+                    row["impl"]["triton_grouped"] = {"skipped": grouped_why}
+                else:
+                    record("triton_grouped", lambda: (lambda x, i, t: ops.fused_moe_prepared(
+                        x, i, t, pw, config=cfg_g)))
+                row["table_config"] = cfg
                 if (sname, N) in PROFILE_ROWS and device == "cuda":
                     try:
-                        row["profile"] = profile_stages(ops, pw, sets, cfg, timer,
+                        row["profile"] = profile_stages(ops, pw, sets, cfg_t, timer,
                                                         N <= GRAPH_MAX_TOKENS)
+                        if not grouped_why:
+                            row["profile_grouped"] = profile_stages(ops, pw, sets, cfg_g, timer,
+                                                                    N <= GRAPH_MAX_TOKENS)
                     except Exception as exc:
                         row["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
@@ -1082,7 +1116,16 @@ def main():
     if tuned:
         with open(outdir / "configs.json", "w") as fh:
             json.dump(tuned, fh, indent=1, sort_keys=True)
+    table, changes = grouped_table(ops, rows)
+    if changes:
+        with open(outdir / "configs_grouped_mm.json", "w") as fh:
+            json.dump(table, fh, indent=1, sort_keys=True)
+        log("grouped_mm flags measured in this run (configs_grouped_mm.json = the plugin's table "
+            "with them):")
+        for line in changes:
+            log("   " + line)
     md = markdown_table(meta, rows) + "\n" + "\n".join(targets_report(rows)) + "\n"
+    md += "\n" + compact_table(rows)
     (outdir / "profile.md").write_text(profile_md(rows))
     (outdir / "results.md").write_text(md)
     try:
@@ -1137,11 +1180,13 @@ def profile_md(rows):
            f"Rows timed from CUDA graphs: each stage is captured {STAGE_REPEAT} times in one graph and",
            "the replay's time divided by that (one graph launch alone costs more than a small",
            "kernel); the stages' sum is then below the row's own graph time by about one launch.", ""]
-    for r in rows:
-        pr = r.get("profile")
+    profiles = [(row, row.get(k), what) for row in rows
+                for k, what in (("profile", row.get("triton_config")),
+                                ("profile_grouped", "torch grouped_mm path"))]
+    for r, pr, what in profiles:
         if not pr:
             continue
-        out.append(f"### {r['shape']} N={r['tokens']} {r['format']} ({r.get('triton_config')})")
+        out.append(f"### {r['shape']} N={r['tokens']} {r['format']} ({what})")
         if "error" in pr:
             out.append(f"error: {pr['error']}")
             continue
@@ -1192,11 +1237,97 @@ def mk_helper_time(mk, timer, sets, E, I, bm, fmt, w, has_invalid, graph_too=Fal
     return eager, graph
 
 
+OURS = ("triton", "triton_grouped")  # our backend's two paths; the tuned table picks per row
+
+
+def _best_us(ent):
+    if not ent or "error" in ent or "skipped" in ent:
+        return None
+    return min([ent[k] for k in ("eager_us", "graph_us") if k in ent], default=None)
+
+
+def grouped_skip_reason(ops, pw, device, N, min_tokens):
+    """Why a row does not time our torch grouped GEMM path (None: it does)."""
+    if N < min_tokens:
+        return f"below --grouped-min-tokens {min_tokens}"
+    return ops.torch_grouped_unavailable(pw, device)
+
+
+def run_plan(shapes, tokens, formats, args):
+    """The rows and implementations a command would time (``--dry-run``; no device work)."""
+    from moe_runtime_triton.plugin import TORCH_GROUPED_GEMMS
+
+    lines, n = [], 0
+    for sname, spec in shapes.items():
+        for N in tokens:
+            if args.rows and f"{sname}:{N}" not in args.rows:
+                continue
+            for fmt in formats:
+                impls = ["triton"]
+                if N >= args.grouped_min_tokens and fmt in TORCH_GROUPED_GEMMS:
+                    impls.append("triton_grouped (where the device runs it)")
+                if fmt == "bf16":
+                    impls += [p for p in ("tf_grouped", "tf_batched", "reference") if p in args.peers]
+                if fmt in ("bf16", "fp8_w8a8") and "mk_triton" in args.peers:
+                    impls.append("mk_triton" if fmt == "bf16" else "mk_triton_fp8")
+                if fmt == "nvfp4_w4a16" and "humming" in args.peers:
+                    impls.append("humming")
+                timing = "eager + CUDA graph" if N <= GRAPH_MAX_TOKENS else "eager"
+                lines.append(f"{sname} N={N} {fmt}: {', '.join(impls)} ({timing})"
+                             + (" [tune]" if args.tune else ""))
+                n += 1
+    lines.append(f"{n} rows; time budget {args.time_budget:.0f}s; out {args.out}")
+    return lines
+
+
+def grouped_table(ops, rows, margin=0.97):
+    """The plugin's tuned table with ``grouped_mm`` set on each measured row where our torch grouped
+    GEMM path beat our Triton GEMMs by more than ``1 - margin`` (and cleared where it did not), and
+    a line per row saying so."""
+    import copy
+
+    table = copy.deepcopy(ops._tuned_table())
+    changes = []
+    for r in rows:
+        if "impl" not in r or "table_key" not in r:
+            continue
+        tt, tg = _best_us(r["impl"].get("triton")), _best_us(r["impl"].get("triton_grouped"))
+        if tt is None or tg is None:
+            continue
+        win = tg < margin * tt
+        entry = table.setdefault(r["table_key"], {})
+        cfg = dict(entry.get(str(r["tokens"])) or r["table_config"])
+        cfg["grouped_mm"] = win
+        if not win:
+            cfg.pop("grouped_mm")
+        entry[str(r["tokens"])] = cfg
+        changes.append(f"{r['table_key']} N={r['tokens']}: triton {tt:.1f} us, grouped {tg:.1f} us"
+                       f" -> {'grouped_mm' if win else 'triton'}")
+    return table, changes
+
+
+def compact_table(rows):
+    """Our two paths next to the best peer, one line per row (best of eager / graph, us)."""
+    out = ["| shape | tokens | format | triton | torch grouped_mm | best peer | ours / peer |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "impl" not in r:
+            continue
+        g = r["impl"].get("triton_grouped", {})
+        gcell = _fmt(_best_us(g)) if _best_us(g) is not None else (
+            "error" if "error" in g else "skipped" if "skipped" in g else "-")
+        peer = (f"{r['best_peer']} {r['best_peer_us']:.1f}" if "best_peer" in r else "-")
+        out.append(f"| {r['shape']} | {r['tokens']} | {r['format']} | "
+                   f"{_fmt(_best_us(r['impl'].get('triton')))} | {gcell} | {peer} | "
+                   f"{r.get('speedup_vs_best_peer', '-')} ({r.get('ours_best_path', '-')}) |")
+    return "\n".join(out) + "\n"
+
+
 def best_peer(row, bf16_row=None):
     """(name, us) of the fastest correct peer of this row, eager or graph (whichever is lower)."""
     cands = []
     for name, ent in row["impl"].items():
-        if name == "triton" or "error" in ent or "skipped" in ent:
+        if name in OURS or "error" in ent or "skipped" in ent:
             continue
         for key in ("eager_us", "graph_us"):
             if key in ent:
@@ -1208,9 +1339,12 @@ def best_peer(row, bf16_row=None):
 
 
 def summarize_row(row):
-    ours = row["impl"].get("triton", {})
-    best_ours = min([ours[k] for k in ("eager_us", "graph_us") if k in ours], default=None)
+    paths = [(t, name) for name in OURS
+             for t in [_best_us(row["impl"].get(name))] if t is not None]
+    best_ours = min(paths)[0] if paths else None
     row["ours_best_us"] = best_ours
+    if paths:
+        row["ours_best_path"] = min(paths)[1]
     bp = best_peer(row)
     if bp:
         row["best_peer"], row["best_peer_us"] = bp
@@ -1295,12 +1429,14 @@ def markdown_table(meta, rows):
         "",
         "Times in us, median of CUDA events; eager / CUDA-graph replay (graph for <= "
         f"{GRAPH_MAX_TOKENS} tokens). roofline = max(bytes of touched experts / read BW, "
-        "FLOPs / mm rate). speedup = best peer (eager or graph) / our best.",
+        "FLOPs / mm rate). speedup = best peer (eager or graph) / our best (the faster of our "
+        "two paths: the Triton GEMMs or torch's grouped GEMMs, which the tuned table picks per "
+        "row).",
         "",
-        "| shape | tokens | format | triton (ours) | tf grouped_mm | tf batched_mm | "
-        "mk_triton best cfg (helpers) | humming | reference | roofline | ours % roof | best peer | "
-        "speedup | peer % roof |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | tokens | format | triton (ours) | ours: torch grouped_mm | tf grouped_mm | "
+        "tf batched_mm | mk_triton best cfg (helpers) | humming | reference | roofline | "
+        "ours % roof | best peer | speedup | peer % roof |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(ent):
@@ -1318,7 +1454,7 @@ def markdown_table(meta, rows):
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['shape']} | {r['tokens']} | - | skipped ({r['skipped']}) |"
-                         + " |" * 10)
+                         + " |" * 11)
             continue
         im = r["impl"]
         mkname = "mk_triton" if r["format"] == "bf16" else "mk_triton_fp8"
@@ -1330,7 +1466,7 @@ def markdown_table(meta, rows):
             mkc += ")"
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['format']} | {cell(im.get('triton'))} | "
-            f"{cell(im.get('tf_grouped'))} | {cell(im.get('tf_batched'))} | {mkc} | "
+            f"{cell(im.get('triton_grouped'))} | {cell(im.get('tf_grouped'))} | {cell(im.get('tf_batched'))} | {mkc} | "
             f"{cell(im.get('humming'))} | "
             f"{cell(im.get('reference'))} | {r['roofline_us']:.1f} | "
             f"{_fmt(r.get('ours_pct_roofline'))} | {r.get('best_peer', '-')} | "
@@ -1356,6 +1492,8 @@ def plot(rows, meta, path):
         ("bf16", "triton", "graph_or_eager", "ours bf16", "C0", "-"),
         ("fp8_w8a8", "triton", "graph_or_eager", "ours fp8", "C1", "-"),
         ("nvfp4_w4a16", "triton", "graph_or_eager", "ours nvfp4 (w4a16)", "C2", "-"),
+        ("bf16", "triton_grouped", "graph_or_eager", "ours bf16, torch grouped_mm", "C0", "-."),
+        ("fp8_w8a8", "triton_grouped", "graph_or_eager", "ours fp8, torch grouped_mm", "C1", "-."),
         ("bf16", "mk_triton", "graph_or_eager", "moe-kernels bf16 (best cfg)", "C3", "--"),
         ("fp8_w8a8", "mk_triton_fp8", "graph_or_eager", "moe-kernels fp8 (best cfg)", "C4", "--"),
         ("bf16", "tf_grouped", "graph_or_eager", "transformers grouped_mm", "C5", ":"),
