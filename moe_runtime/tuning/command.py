@@ -186,10 +186,14 @@ def run_tune(args) -> int:
     finally:
         if bar:
             bar.close()
+    print_results(shapes, found)
+    if not found:
+        print(f"error: no layer shape of {args.checkpoint} has a candidate to time here; nothing "
+              "written", file=sys.stderr)
+        return 1
     section = Section(cache_key(env, registry), env.to_json(), tuple(found))
     write_sections(path, merge(_existing(path), section))
-    print_results(shapes, found)
     good = sum(m.median_us is not None for m in found)
     print(f"wrote {good} measurement(s) of {env.described} to {path}"
           + (f" ({len(found) - good} failed)" if good < len(found) else ""))
-    return 0 if good or not found else 1
+    return 0 if good else 1
