@@ -1,9 +1,17 @@
-"""Serving benchmark: request throughput and time to first token, moe-runtime vs transformers alone.
+"""Serving benchmark: throughput, TTFT, TPOT and GPU memory, moe-runtime vs transformers alone.
 
-Drives :class:`moe_runtime.serve.engine.Engine`, the code path the HTTP server (``moe-runtime
-serve``) runs behind its routes: transformers' continuous batching, per-request sampling and
-incremental detokenization, with ``N`` concurrent clients in this process (no HTTP, so the numbers
-are the engine's, not the web stack's). Two sides, on the same checkpoint, in the same process:
+Two modes (``--modes``), both on the engine the HTTP server (``moe-runtime serve``) runs:
+transformers' continuous batching (CUDA graphs for decode on a GPU), the batched sampler and
+incremental detokenization.
+
+- ``in-process``: ``N`` concurrent clients call :class:`moe_runtime.serve.engine.Engine` in this
+  process (no HTTP: the engine's numbers).
+- ``http``: the same engine behind the server's ASGI app (:func:`moe_runtime.serve.app.create_app`,
+  uvicorn on a loopback port, in a thread of this process), ``N`` concurrent clients of the official
+  ``openai`` client streaming ``/v1/completions`` (TTFT: the first streamed chunk; the client
+  shares the process, and so the GIL, with the server).
+
+Two sides, on the same checkpoint, in the same process:
 
 - ``moe-runtime``: :func:`~moe_runtime.serve.loading.load_for_serving` as the server calls it: every
   MoE layer through moe-runtime's plan (the backend the planner picks, or ``--moe-runner-backend``).
@@ -17,18 +25,21 @@ greedy, and EOS is ignored so every request generates exactly ``--max-tokens`` t
 the same work whatever their numerics). Every engine start is warmed up (one short wave per client
 count) before it is measured; the sides alternate in each repetition (ABBA) so slow drift on a
 shared machine hits both. Reported per client count: requests/s and output tokens/s (medians over
-repetitions), time to first token (median and p90 over all measured requests, from submission to
-the engine to the first generated token), time per output token after the first (median), and how
-many requests produced the same greedy tokens on both sides.
+repetitions), time to first token and time per output token after the first (p50 and p90 over all
+measured requests), GPU memory (each side's weights, and the most the process held above them
+while that side ran: KV cache, activations, graphs), and how many requests produced the same
+greedy tokens on both sides (in-process).
 
-Writes ``bench_serve.json`` (everything, raw per-repetition numbers included) and
-``bench_serve.md`` (the table) under ``--out``.
+Writes ``bench_serve.json`` (everything, raw per-repetition numbers included), ``bench_serve.md``
+(the table) and ``bench_serve.png`` (output tokens/s and TPOT against clients, every side and
+mode) under ``--out``.
 
 Examples::
 
     python benchmarks/bench_serve.py --out /tmp/serve-cpu                     # the default model
     python benchmarks/bench_serve.py --quick --out /tmp/serve-quick
-    python benchmarks/bench_serve.py --model /tmp/qwen3-30b-a3b-4l --device cuda --out $OUT
+    python benchmarks/make_bench_checkpoint.py /tmp/q30-48 --preset qwen3-30b-a3b --layers 48
+    python benchmarks/bench_serve.py --model /tmp/q30-48 --device cuda --clients 1,4,16,64 --out $OUT
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import time
 from pathlib import Path
 
 SIDES = ("moe-runtime", "transformers")
+MODES = ("in-process", "http")
 
 # Prompt material: any text the tokenizer can encode; requests take different windows of it.
 _TEXT = (
@@ -119,6 +131,78 @@ async def _wave(engine, prompts, *, clients: int, per_client: int, max_tokens: i
     return wall, results
 
 
+async def _http_request(client, model: str, prompt_ids, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.completions.create(
+        model=model, prompt=list(prompt_ids), max_tokens=max_tokens, temperature=0.0,
+        stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        if first is None and chunk.choices:
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    latency = time.perf_counter() - start
+    tpot = (latency - first) / (tokens - 1) if tokens > 1 and first is not None else None
+    return {"ttft_s": first, "latency_s": latency, "tokens": tokens, "tpot_s": tpot}
+
+
+async def _http_wave(url: str, model: str, prompts, *, clients: int, per_client: int,
+                     max_tokens: int, bar=None):
+    import httpx
+    import openai
+
+    results: list[dict | None] = [None] * (clients * per_client)
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600,
+                                  http_client=httpx.AsyncClient(limits=limits)) as client:
+        async def one(c: int) -> None:
+            for k in range(per_client):
+                i = c * per_client + k
+                results[i] = await _http_request(client, model, prompts[i % len(prompts)],
+                                                 max_tokens)
+                if bar is not None:
+                    bar.update(1)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(c) for c in range(clients)))
+        wall = time.perf_counter() - start
+    return wall, results
+
+
+class _HttpServer:
+    """The server's ASGI app around a started engine, on a loopback port, in a thread."""
+
+    def __init__(self, engine, name: str) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from moe_runtime.serve.app import create_app
+
+        app = create_app(engine, served_model_name=name, manage_engine=False)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning",
+                                                    access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="bench-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
 def _summarize(wall: float, results: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in results)
     return {
@@ -134,27 +218,58 @@ def _summarize(wall: float, results: list[dict]) -> dict:
     }
 
 
+def _memory() -> tuple[float, float] | None:
+    """(GiB allocated now, most allocated since the last reset) on the current CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
+
+
 def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
-    """Start an engine on ``loaded``, warm it up, measure every client count, shut it down."""
+    """Start an engine on ``loaded``, warm it up, measure every client count in every mode,
+    shut it down. Returns ``{mode: {clients: (summary, results)}}`` and ``"memory"``."""
     from moe_runtime.serve.engine import Engine
 
     engine = Engine(loaded, max_batch_size=args.max_batch_size,
                     max_model_len=args.prompt_len + args.max_tokens + 1)
     if args.ignore_eos:
         engine.eos_token_ids = []  # every request runs to max_tokens, on both sides alike
+    before = _memory()
+    if before is not None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     engine.start()
-    out: dict = {}
+    out: dict = {"graphs": engine.batching.graphs.describe()}
+    warm = dict(per_client=1, max_tokens=min(args.max_tokens, args.warmup_tokens))
+    measured = dict(per_client=args.requests_per_client, max_tokens=args.max_tokens, bar=bar)
     try:
-        for c in (levels if warm_levels else levels[-1:]):
-            asyncio.run(_wave(engine, prompts, clients=c, per_client=1,
-                              max_tokens=min(args.max_tokens, args.warmup_tokens)))
-        for c in levels:
-            wall, results = asyncio.run(_wave(engine, prompts, clients=c,
-                                              per_client=args.requests_per_client,
-                                              max_tokens=args.max_tokens, bar=bar))
-            out[c] = (_summarize(wall, results), results)
+        if "in-process" in args.mode_list:
+            for c in (levels if warm_levels else levels[-1:]):
+                asyncio.run(_wave(engine, prompts, clients=c, **warm))
+            out["in-process"] = {}
+            for c in levels:
+                wall, results = asyncio.run(_wave(engine, prompts, clients=c, **measured))
+                out["in-process"][c] = (_summarize(wall, results), results)
+        if "http" in args.mode_list:
+            http = _HttpServer(engine, "bench")
+            try:
+                for c in (levels if warm_levels else levels[-1:]):
+                    asyncio.run(_http_wave(http.url, "bench", prompts, clients=c, **warm))
+                out["http"] = {}
+                for c in levels:
+                    wall, results = asyncio.run(_http_wave(http.url, "bench", prompts,
+                                                           clients=c, **measured))
+                    out["http"][c] = (_summarize(wall, results), results)
+            finally:
+                http.close()
     finally:
+        after = _memory()
         engine.shutdown()
+    if before is not None:
+        out["memory"] = {"peak_above_weights_gib": after[1] - before[0]}
     return out
 
 
@@ -232,21 +347,29 @@ def render_markdown(report: dict) -> str:
     ]
     for side in report["sides"]:
         s = report["side_info"][side]
-        lines.append(f"- `{side}`: experts run by {s['experts']}; loaded in {s['load_s']:.1f} s.")
-    lines += ["", "| clients | side | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
-              "| TPOT p50 (ms) | req/s vs transformers |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        mem = ""
+        if s.get("weights_gib") is not None:
+            mem = (f"; GPU memory: weights {s['weights_gib']:.2f} GiB, at most "
+                   f"{s.get('peak_above_weights_gib', 0.0):.2f} GiB more while serving")
+        lines.append(f"- `{side}`: experts run by {s['experts']}; loaded in {s['load_s']:.1f} s"
+                     f"{mem}; {s.get('graphs', '')}.")
+    lines += ["", "| mode | clients | side | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
+              "| TPOT p50 (ms) | TPOT p90 (ms) | tok/s vs transformers |",
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     agg = report["results"]
-    for c in work["clients"]:
-        base = agg.get("transformers", {}).get(str(c), {}).get("req_per_s")
-        for side in report["sides"]:
-            a = agg[side][str(c)]
-            ratio = (f"{a['req_per_s'] / base:.2f}x" if base and side != "transformers"
-                     else "")
-            lines.append(
-                f"| {c} | {side} | {_fmt(a['req_per_s'], digits=2)} | "
-                f"{_fmt(a['out_tok_per_s'])} | {_fmt(a['ttft_p50_s'], 1e3)} | "
-                f"{_fmt(a['ttft_p90_s'], 1e3)} | {_fmt(a['tpot_p50_s'], 1e3)} | {ratio} |")
+    for mode in work["modes"]:
+        for c in work["clients"]:
+            base = agg.get("transformers", {}).get(mode, {}).get(str(c), {}).get(
+                "out_tok_per_s")
+            for side in report["sides"]:
+                a = agg[side][mode][str(c)]
+                ratio = (f"{a['out_tok_per_s'] / base:.2f}x" if base and side != "transformers"
+                         else "")
+                lines.append(
+                    f"| {mode} | {c} | {side} | {_fmt(a['req_per_s'], digits=2)} | "
+                    f"{_fmt(a['out_tok_per_s'])} | {_fmt(a['ttft_p50_s'], 1e3)} | "
+                    f"{_fmt(a['ttft_p90_s'], 1e3)} | {_fmt(a['tpot_p50_s'], 1e3)} | "
+                    f"{_fmt(a['tpot_p90_s'], 1e3)} | {ratio} |")
     eq = report.get("greedy_agreement")
     if eq:
         lines += ["", f"Greedy outputs identical on both sides: {eq['identical']}/{eq['compared']} "
@@ -255,11 +378,48 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_png(report: dict, path: Path) -> bool:
+    """Output tokens/s and TPOT p50 against clients, one line per side and mode; False when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    work, agg = report["workload"], report["results"]
+    fig, (tput, tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for n, side in enumerate(report["sides"]):
+        for mode in work["modes"]:
+            xs = work["clients"]
+            style = dict(linestyle="-" if mode == "in-process" else "--", marker="o",
+                         color=f"C{3 * n}", label=f"{side} ({mode})")
+            tput.plot(xs, [agg[side][mode][str(c)]["out_tok_per_s"] for c in xs], **style)
+            tpot.plot(xs, [(agg[side][mode][str(c)]["tpot_p50_s"] or 0) * 1e3 for c in xs],
+                      **style)
+    for ax, title in ((tput, "output tokens/s"), (tpot, "TPOT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(work["clients"], [str(c) for c in work["clients"]])
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    tput.legend(fontsize=8)
+    env = report["environment"]
+    fig.suptitle(f"{report['model']['summary'].split(',')[0]}, "
+                 f"{report['model']['summary'].split(',')[1].strip()} on "
+                 f"{env.get('gpu') or env.get('cpu') or env['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def _agreement(raw: dict, sides: list[str]) -> dict | None:
-    """Compare each side's first-repetition greedy tokens, request by request."""
-    if len(sides) != 2:
+    """Compare each side's first-repetition greedy tokens (in-process), request by request."""
+    if len(sides) != 2 or any("in-process" not in raw[s][0] for s in sides):
         return None
-    a, b = (raw[s][0] for s in sides)
+    a, b = (raw[s][0]["in-process"] for s in sides)
     same = compared = 0
     prefixes = []
     for c in a:
@@ -313,6 +473,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="engine max batch (default: the largest client count)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"in-process (the engine), http (the server with the openai client); "
+                        f"default {','.join(MODES)}")
     p.add_argument("--sides", default=",".join(SIDES),
                    help=f"which sides to run (default {','.join(SIDES)})")
     p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
@@ -334,6 +497,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.side_list if s not in SIDES]
     if bad or not args.side_list:
         p.error(f"--sides: choose from {', '.join(SIDES)}")
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in MODES]
+    if bad or not args.mode_list:
+        p.error(f"--modes: choose from {', '.join(MODES)}")
     args.max_batch_size = args.max_batch_size or max(args.client_levels)
     return args
 
@@ -357,6 +524,7 @@ def main(argv=None) -> int:
 
     loaded, info = {}, {}
     for side in args.side_list:
+        held = _memory()
         start = time.perf_counter()
         loaded[side] = load_for_serving(
             model_dir, device=device, progress=not args.no_progress, dtype=args.dtype,
@@ -367,14 +535,18 @@ def main(argv=None) -> int:
 
             torch.cuda.synchronize()
         info[side] = {"load_s": time.perf_counter() - start,
-                      "experts": _side_experts(loaded[side].plan), "plan": loaded[side].plan}
+                      "experts": _side_experts(loaded[side].plan_json()),
+                      "plan": loaded[side].plan_json()}
+        if held is not None:
+            info[side]["weights_gib"] = _memory()[0] - held[0]
         print(f"{side}: loaded in {info[side]['load_s']:.1f} s; experts: {info[side]['experts']}",
               flush=True)
 
     first = loaded[args.side_list[0]]
     count = max(levels) * args.requests_per_client
     prompts = make_prompts(first.tokenizer, count, args.prompt_len)
-    total = len(args.side_list) * args.repeats * sum(c * args.requests_per_client for c in levels)
+    total = (len(args.side_list) * len(args.mode_list) * args.repeats
+             * sum(c * args.requests_per_client for c in levels))
     bar = tqdm(total=total, desc="requests", unit="req", disable=args.no_progress)
     raw: dict[str, list[dict]] = {s: [] for s in args.side_list}
     for rep in range(args.repeats):
@@ -388,31 +560,40 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     for side in args.side_list:
         results[side] = {}
-        for c in levels:
-            reps = [r[c][0] for r in raw[side]]
-            ttft = [t for r in reps for t in r["ttft_s"] if t is not None]
-            tpot = [t for r in reps for t in r["tpot_s"]]
-            results[side][str(c)] = {
-                "req_per_s": _median([r["req_per_s"] for r in reps]),
-                "out_tok_per_s": _median([r["out_tok_per_s"] for r in reps]),
-                "req_per_s_each": [r["req_per_s"] for r in reps],
-                "ttft_p50_s": _median(ttft),
-                "ttft_p90_s": _percentile(ttft, 0.9),
-                "tpot_p50_s": _median(tpot),
-                "latency_p50_s": _median([x for r in reps for x in r["latency_s"]]),
-                "tokens_per_request": sorted({n for r in reps for n in r["tokens_per_request"]}),
-                "repetitions": [{k: v for k, v in r.items()} for r in reps],
-            }
+        info[side]["graphs"] = raw[side][0]["graphs"]
+        peaks = [r["memory"]["peak_above_weights_gib"] for r in raw[side] if "memory" in r]
+        if peaks:  # above what the process held when the engine started (every side's weights)
+            info[side]["peak_above_weights_gib"] = max(peaks)
+        for mode in args.mode_list:
+            results[side][mode] = {}
+            for c in levels:
+                reps = [r[mode][c][0] for r in raw[side]]
+                ttft = [t for r in reps for t in r["ttft_s"] if t is not None]
+                tpot = [t for r in reps for t in r["tpot_s"]]
+                results[side][mode][str(c)] = {
+                    "req_per_s": _median([r["req_per_s"] for r in reps]),
+                    "out_tok_per_s": _median([r["out_tok_per_s"] for r in reps]),
+                    "req_per_s_each": [r["req_per_s"] for r in reps],
+                    "ttft_p50_s": _median(ttft),
+                    "ttft_p90_s": _percentile(ttft, 0.9),
+                    "tpot_p50_s": _median(tpot),
+                    "tpot_p90_s": _percentile(tpot, 0.9),
+                    "latency_p50_s": _median([x for r in reps for x in r["latency_s"]]),
+                    "tokens_per_request": sorted({n for r in reps
+                                                  for n in r["tokens_per_request"]}),
+                    "repetitions": [{k: v for k, v in r.items()} for r in reps],
+                }
 
     report = {
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
         "environment": _environment(device),
         "model": {"path": str(model_dir), "summary": _model_summary(Path(model_dir),
-                                                                    first.plan)},
+                                                                    first.plan_json())},
         "workload": {"clients": levels, "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                      "requests_per_client": args.requests_per_client, "repeats": args.repeats,
+                     "modes": args.mode_list,
                      "max_batch_size": args.max_batch_size, "dtype": args.dtype,
                      "moe_runner_backend": args.moe_runner_backend},
         "sides": args.side_list,
@@ -424,6 +605,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_serve.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     md = render_markdown(report)
+    if render_png(report, out / "bench_serve.png"):
+        md += "\n![output tokens/s and TPOT against clients](bench_serve.png)\n"
     (out / "bench_serve.md").write_text(md)
     print(md, flush=True)
     return 0

@@ -108,17 +108,20 @@ class Engine:
     :param cuda_graphs: ``None`` (default): continuous batching replays CUDA graphs for decode
         on a CUDA device; ``False`` turns them off. The choice and its reason are in
         ``engine.batching.describe()`` and the start-up log.
+    :param max_tokens_per_forward: the bound the model was loaded with
+        (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
     A forward never carries more tokens than the plan's bound
-    (:func:`~moe_runtime.serve.batching.plan_token_bound`): ``max_batch_size`` and the prefill
-    chunk are capped at it.
+    (:func:`~moe_runtime.serve.batching.plan_token_bound`) nor ``max_tokens_per_forward``:
+    ``max_batch_size`` and the prefill chunk are capped at them.
     """
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 8,
                  max_model_len: int | None = None, block_size: int = 32,
                  batching: str = "auto", debug: bool = False,
                  kv_cache_tokens: int | None = None, seed: int | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None,
+                 max_tokens_per_forward: int | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -140,6 +143,8 @@ class Engine:
         self.block_size = block_size
         self.eos_token_ids = self._eos_ids()
         bound, bound_from = plan_token_bound(loaded.plan)
+        if max_tokens_per_forward is not None and (bound is None or max_tokens_per_forward < bound):
+            bound, bound_from = max_tokens_per_forward, "the model's max_tokens_per_forward"
         self.token_bound = bound
         # requests decoded together, and the tokens of one prefill forward, within the plan
         self.batch_cap = min(max_batch_size, bound) if bound else max_batch_size

@@ -38,10 +38,13 @@ def test_an_engine_on_a_cpu_reports_graphs_off(model_dir):
     from moe_runtime.serve.engine import Engine
     from moe_runtime.serve.loading import load_for_serving
 
-    engine = Engine(load_for_serving(model_dir, dtype="float32", progress=False),
-                    max_batch_size=4)
+    loaded = load_for_serving(model_dir, dtype="float32", progress=False)
+    engine = Engine(loaded, max_batch_size=4)
     assert "CUDA graphs off: the model runs on cpu" in engine.batching.describe()
     assert not engine.sampler.static
+    # a bound below the batch caps both the decode batch and the prefill chunk
+    capped = Engine(loaded, max_batch_size=8, max_tokens_per_forward=4)
+    assert (capped.batch_cap, capped.max_batch_tokens, capped.sampler.max_batch) == (4, 4, 4)
 
 
 # ------------------------------------------------------------------------------------ on a GPU
