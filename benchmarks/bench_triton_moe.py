@@ -784,8 +784,9 @@ def main(argv=None):
         return
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
-    if os.environ.pop(ops.GROUPED_MM_ENV, None) is not None:
+    if os.environ.pop(ops.GROUPED_MM_ENV, None) is not None:  # for the warm-up workers too
         log(f"{ops.GROUPED_MM_ENV} unset for this run: each row names its path itself")
+    ops.GROUPED_MM_MODE = ""
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1250,7 +1251,7 @@ def grouped_skip_reason(ops, pw, device, N, min_tokens):
     """Why a row does not time our torch grouped GEMM path (None: it does)."""
     if N < min_tokens:
         return f"below --grouped-min-tokens {min_tokens}"
-    return ops.torch_grouped_unavailable(pw, device)
+    return pw.grouped_mm_unavailable
 
 
 def run_plan(shapes, tokens, formats, args):

@@ -44,7 +44,8 @@ EXACT_FP8 = INTERPRET
 USE_ASM = not INTERPRET
 CONFIG_FILE = Path(__file__).with_name("configs.json")
 # torch grouped GEMM path (plugin.TORCH_GROUPED_GEMMS): "0" never, "1" on every token-major call
-# where it can run (e.g. for the conformance suite at small shapes), unset: where the config says
+# where it can run (e.g. for the conformance suite at small shapes), unset: where the config says.
+# Read once, here (grouped_mm_mode); GROUPED_MM_MODE is set below, after the function.
 GROUPED_MM_ENV = "MOE_TRITON_GROUPED_MM"
 GROUPED_MM_MODES = ("", "0", "1")
 
@@ -67,6 +68,8 @@ class PreparedWeights:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    # why the torch grouped GEMM path cannot run these weights where they are (None: it can)
+    grouped_mm_unavailable: str | None = None
 
     @property
     def weight_dtype_name(self) -> str:
@@ -124,12 +127,13 @@ def prepare_weights(w: ExpertWeights, run_as: str | None = None) -> PreparedWeig
     w13, w2 = w.w13.contiguous(), w.w2.contiguous()
     if wfmt == K.WFMT_NVFP4:
         w13, w2 = pack_nvfp4_for_kernels(w13), pack_nvfp4_for_kernels(w2)
-    return PreparedWeights(
+    pw = PreparedWeights(
         run_as=run_as, wfmt=wfmt, activation=w.activation,
         w13=w13, w2=w2,
         w13_scale=w13s, w2_scale=w2s, w13_scale_2=w13s2, w2_scale_2=w2s2,
         a13_scale=a13, a2_scale=a2, num_experts=E, hidden_size=H, intermediate_size=I,
     )
+    return attrs.evolve(pw, grouped_mm_unavailable=torch_grouped_unavailable(pw, w13.device))
 
 
 def pack_nvfp4_for_kernels(packed: torch.Tensor) -> torch.Tensor:
@@ -396,7 +400,7 @@ def fused_moe_prepared(
     topk_weights = topk_weights.contiguous()
 
     cfg = config or get_config(pw.run_as, E, H, I, topk, N)
-    if wants_torch_grouped(cfg) and torch_grouped_unavailable(pw, hidden.device) is None:
+    if wants_torch_grouped(cfg) and pw.grouped_mm_unavailable is None:
         _torch_grouped_path(hidden, hidden_scale, topk_ids, topk_weights, pw, out, go)
         return out
     if cfg.get("decode"):
@@ -590,20 +594,22 @@ def _decode_path(hidden, topk_ids, topk_weights, pw: PreparedWeights, cfg: dict,
 # ----------------------------------------------------------------------------------------------
 
 
-def grouped_mm_mode() -> str:
-    """``MOE_TRITON_GROUPED_MM``: ``"0"`` never, ``"1"`` wherever it can run, unset or empty: where
-    the tile config (the tuned table's entry) has ``"grouped_mm": true``."""
-    mode = os.environ.get(GROUPED_MM_ENV, "").strip()
+def grouped_mm_mode(value: str | None = None) -> str:
+    """``MOE_TRITON_GROUPED_MM`` (or ``value``): ``"0"`` never, ``"1"`` wherever it can run, unset or
+    empty: where the tile config (the tuned table's entry) has ``"grouped_mm": true``."""
+    mode = (os.environ.get(GROUPED_MM_ENV, "") if value is None else value).strip()
     if mode not in GROUPED_MM_MODES:
         raise ValueError(f"{GROUPED_MM_ENV}={mode!r}: accepted values are '0' (never), '1' (every "
                          "call where torch's grouped GEMM can run) or unset (the tuned table)")
     return mode
 
 
+GROUPED_MM_MODE = grouped_mm_mode()
+
+
 def wants_torch_grouped(cfg: dict) -> bool:
     """Whether a call with this config asks for the torch grouped GEMM path."""
-    mode = grouped_mm_mode()
-    return mode == "1" or (mode == "" and bool(cfg.get("grouped_mm")))
+    return GROUPED_MM_MODE == "1" or (GROUPED_MM_MODE == "" and bool(cfg.get("grouped_mm")))
 
 
 def torch_grouped_unavailable(pw: PreparedWeights, device) -> str | None:

@@ -10,6 +10,8 @@ tests run the CUTLASS kernels.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from moe_runtime_triton import ops
@@ -24,7 +26,7 @@ FORMATS = ["bf16", "fp8_w8a8"]
 
 @pytest.fixture
 def forced(monkeypatch):
-    monkeypatch.setenv(ops.GROUPED_MM_ENV, "1")
+    monkeypatch.setattr(ops, "GROUPED_MM_MODE", ops.grouped_mm_mode("1"))
 
 
 def _run(fmt, E, H, I, ids, device, *, activation="silu", seed=0, config=None):
@@ -99,7 +101,7 @@ def test_forced_fp8_prequantized_input(device, forced):
 
 
 def test_table_flag_chooses_the_path_and_env_overrides(device, monkeypatch):
-    monkeypatch.delenv(ops.GROUPED_MM_ENV, raising=False)
+    monkeypatch.setattr(ops, "GROUPED_MM_MODE", "")
     ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [1, 3]])
     cfg = ops.heuristic_config(0, 4, 64, 32, 2, 5, allow_decode=False)
     _, _, plain = _run("bf16", 4, 64, 32, ids, device, config=cfg)
@@ -107,7 +109,7 @@ def test_table_flag_chooses_the_path_and_env_overrides(device, monkeypatch):
     flagged = dict(cfg, grouped_mm=True)
     out, ref, stages = _run("bf16", 4, 64, 32, ids, device, config=flagged)
     assert stages == GROUPED_STAGES and rel_err(out, ref) < TOL["bf16"]
-    monkeypatch.setenv(ops.GROUPED_MM_ENV, "0")
+    monkeypatch.setattr(ops, "GROUPED_MM_MODE", ops.grouped_mm_mode("0"))
     _, _, off = _run("bf16", 4, 64, 32, ids, device, config=flagged)
     assert "finalize" in off and "combine" not in off
     assert "grouped_mm" in ops.describe_config(flagged)
@@ -121,10 +123,25 @@ def test_fp16_and_nvfp4_stay_on_triton_when_forced(device, forced):
         assert rel_err(out, ref) < TOL[fmt]
 
 
-def test_bad_mode_is_named(monkeypatch):
-    monkeypatch.setenv(ops.GROUPED_MM_ENV, "yes")
+def test_the_mode_is_read_from_the_environment_once_and_a_bad_one_is_named():
+    import subprocess
+    import sys
+
+    code = ("import os, moe_runtime_triton.ops as o; print(o.GROUPED_MM_MODE); "
+            "os.environ[o.GROUPED_MM_ENV] = '0'; print(o.wants_torch_grouped({}))")
+    env = {**os.environ, ops.GROUPED_MM_ENV: "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert res.stdout.split() == ["1", "True"]
     with pytest.raises(ValueError, match="MOE_TRITON_GROUPED_MM='yes'.*accepted"):
-        ops.wants_torch_grouped({})
+        ops.grouped_mm_mode("yes")
+
+
+def test_availability_is_probed_once_at_prepare(device):
+    w = make_weights("fp8_w8a8", 4, 64, 32, device=device)
+    assert ops.prepare_weights(w).grouped_mm_unavailable is None
+    w16 = make_weights("fp16", 4, 64, 32, device=device)
+    assert "no torch grouped GEMM path" in ops.prepare_weights(w16).grouped_mm_unavailable
 
 
 def test_unavailable_reasons():
