@@ -1,0 +1,517 @@
+"""NVFP4 experts as W4A16 for 1-128 tokens: weights repacked at load into tiles, swap-AB GEMMs.
+
+Issue 20, step 3 (the Marlin recipe, as far as Triton allows):
+
+- **Load-time repack** (:func:`prepare_w4a16`): each matrix is cut into tiles of ``ROWS x COLS``
+  elements (``W4A16Layout``); a tile is one contiguous chunk of ``ROWS * COLS / 2`` bytes of E2M1
+  codes, 8 codes per 32-bit word in the bit layout of ``kernels.NVFP4_GROUP_FIELDS`` (a
+  shift/mask sequence gives float16 pairs of adjacent columns: 11 integer operations per 8
+  codes), followed by the tile's ``ROWS * COLS / 16`` e4m3 block-scale bytes. A program's loads
+  of one K step are two contiguous runs (no partial sectors, no per-row address arithmetic).
+  Gate and up rows are padded apart so that a row tile never straddles them; padding holds zero
+  codes and zero scales (value 0).
+- **Swap-AB**: the weight tile is the MMA's M operand, ``tl.dot(W [ROWS, COLS], X^T [COLS, T])``
+  with the tokens of one expert (``T = 16`` rows of the routing's sorted blocks) as N. Small
+  token counts then waste no MMA rows on padding tokens, and on Hopper the decoded tile can stay
+  in registers as the warpgroup MMA's A operand (B, the activations, is what goes through shared
+  memory).
+- **Grid over (row block of one expert, N tile)**, the row blocks of one N tile adjacent so that
+  the blocks of one expert read a weight tile at the same time (L2), with ``num_stages`` K steps
+  in flight: a GEMM 1 step of the default layout is 2 x (64 x 256 / 2 + 64 x 256 / 16) = 18 KB.
+- **Few pairs** (:data:`FUSED_MAX_PAIRS`): one launch. Program ``(pair, j)`` computes the
+  intermediate slice ``j`` of its pair (gate/up rows ``j``, SiLU-and-mul) and multiplies it at once
+  into the down projection's columns ``j`` (split K of GEMM 2 along the intermediate), adding the
+  routing-weighted result into a float32 row of the token with atomics; the program that arrives
+  last for a token (a counter per token) converts the row into the output and leaves the row and
+  the counter zeroed for the next call. The sums' order varies between runs (float32 atomics).
+
+Exactness: the decoded MMA operand is ``e2m1(code) * block_scale * 2**-7`` in float16, which is
+exact for every code and e4m3 scale (at most 6 significant bits, at least ``2**-17``): bit-identical
+to ``moe_runtime.quant.dequantize_nvfp4(codes, block_scales, 2**-7, torch.float16)``
+(:func:`decode_w4a16` exposes it for tests). The float32 global scale (times ``2**7``) multiplies the
+float32 accumulator once per output, so the product equals the reference's ``e2m1 * block_scale *
+global_scale`` up to the accumulation's rounding. Folding the global scale into the per-block
+float16 multiply instead would round every weight a second time (``round16(e2m1 * round16(bs *
+gs))``), which is not bit-identical, so it is folded into the epilogue's scale.
+
+Activations are float16 in the MMA (bfloat16 inputs are converted in the kernel, as on the existing
+NVFP4 path); outputs are in the input's dtype. Routing of the grouped path is ``ops.route_into``;
+its combine is ``kernels.moe_finalize_kernel``. Nothing is sized from data on the host: CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from moe_runtime import formats as F
+from moe_runtime.backend_api import ExpertWeights
+from moe_runtime_triton import kernels as K
+from moe_runtime_triton import ops
+
+FUSED_MAX_PAIRS = 16  # (token, expert) pairs up to which the one-launch path runs by default
+FUSED_MAX_TOKENS = 16  # rows of the fused path's float32 workspace
+BLOCK_T = 16  # tokens per expert block (the MMA's N); the smallest tl.dot size
+_ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
+_FORMATS = (F.NVFP4_W4A16, F.NVFP4_W4A4)  # stored formats whose codes this path reads as W4A16
+
+
+@attrs.frozen
+class W4A16Layout:
+    """Tile sizes fixed at load. ``gate_up_rows`` x ``gate_up_cols``: GEMM 1's tile (rows of the
+    gate/up matrices x hidden columns); ``down_rows`` x ``down_cols``: GEMM 2's (hidden rows x
+    intermediate columns). The fused path needs ``down_cols == gate_up_rows``."""
+
+    gate_up_rows: int = 64
+    gate_up_cols: int = 256
+    down_rows: int = 128
+    down_cols: int = 64
+
+    def check(self) -> None:
+        for name in ("gate_up_rows", "gate_up_cols", "down_rows", "down_cols"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"W4A16Layout.{name} must be a power of two >= 16, got {v}")
+        for name in ("gate_up_cols", "down_cols"):
+            if getattr(self, name) < 32:
+                raise ValueError(f"W4A16Layout.{name} must be >= 32 (one 16-byte row segment)")
+
+    @property
+    def fused(self) -> bool:
+        return self.down_cols == self.gate_up_rows
+
+
+def default_layout(H: int, I: int) -> W4A16Layout:
+    """The layout for a shape: K tiles no deeper than the (padded) matrices, fused-compatible."""
+    def p2_at_most(n, cap):
+        return max(32, min(cap, 1 << max(0, int(n).bit_length() - 1)))
+    rows = 64 if I >= 64 else 32
+    return W4A16Layout(gate_up_rows=rows, gate_up_cols=p2_at_most(H, 256),
+                       down_rows=p2_at_most(H, 128), down_cols=rows)
+
+
+@attrs.frozen
+class W4A16Weights:
+    """One layer's local experts in the tile layout (built once at load by :func:`prepare_w4a16`).
+
+    ``w13 [E, 2 * nI, nH1, CHUNK1]`` uint8: row tile ``j`` of the gate (``j < nI``) or up
+    (``nI + j``) rows, K tile ``k``: the tile's codes then its block scales; ``w2 [E, nH2, nI2,
+    CHUNK2]`` likewise for the down matrices. ``acc``/``count``: the fused path's self-clearing
+    workspace (one layer's calls must not run concurrently on two streams)."""
+
+    layout: W4A16Layout
+    activation: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale_2: torch.Tensor  # float32 [E]
+    w2_scale_2: torch.Tensor
+    acc: torch.Tensor  # float32 [FUSED_MAX_TOKENS, H padded to down_rows]
+    count: torch.Tensor  # int32 [FUSED_MAX_TOKENS]
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def padded(self) -> tuple[int, int, int]:
+        """``(I padded, H padded for GEMM 1's K, H padded for GEMM 2's rows)``."""
+        lo = self.layout
+        return (self.w13.shape[1] // 2 * lo.gate_up_rows, self.w13.shape[2] * lo.gate_up_cols,
+                self.w2.shape[1] * lo.down_rows)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _tiles(packed: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``packed [R, C/2]`` (kernel bit layout), ``scales [R, C/16]`` uint8 with ``R``, ``C`` multiples
+    of the tile -> ``[R/rows, C/cols, rows*cols/2 + rows*cols/16]``."""
+    R = packed.shape[0]
+    C = packed.shape[1] * 2
+    nr, nc = R // rows, C // cols
+    c = packed.reshape(nr, rows, nc, cols // 2).permute(0, 2, 1, 3).reshape(nr, nc, -1)
+    s = scales.reshape(nr, rows, nc, cols // 16).permute(0, 2, 1, 3).reshape(nr, nc, -1)
+    return torch.cat([c, s], dim=-1)
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    r, c = t.shape
+    if (r, c) == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[:r, :c] = t
+    return out
+
+
+def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16Weights:
+    """Repack a layer's NVFP4 experts (checkpoint layout: codes ``[E, rows, K/2]`` uint8, even
+    column in the low nibble; e4m3 block scales ``[E, rows, K/16]``; float32 global scales) into
+    the tile layout. One expert at a time (temporaries of one expert's size)."""
+    if w.format not in _FORMATS:
+        raise ValueError(f"the W4A16 path reads NVFP4 weights ({', '.join(_FORMATS)}), "
+                         f"got {w.format!r}")
+    if w.activation not in _ACT:
+        raise ValueError(f"activation {w.activation!r} is not one of {sorted(_ACT)}")
+    if w.w13.dtype != torch.uint8 or w.w2.dtype != torch.uint8:
+        raise ValueError(f"NVFP4 codes must be packed uint8, got {w.w13.dtype} and {w.w2.dtype}")
+    for name in ("w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"):
+        if getattr(w, name) is None:
+            raise ValueError(f"{w.format} weights need {name}")
+    E, H, I = w.num_experts, w.hidden_size, w.intermediate_size
+    if H % 16 or I % 16:
+        raise ValueError(f"NVFP4 needs hidden and intermediate sizes divisible by 16, got {H}, {I}")
+    lo = layout or default_layout(H, I)
+    lo.check()
+    if not lo.fused:
+        raise ValueError(f"W4A16Layout.down_cols ({lo.down_cols}) must equal gate_up_rows "
+                         f"({lo.gate_up_rows}): GEMM 2's K tiles are GEMM 1's row tiles")
+    Ip = _cdiv(I, lo.gate_up_rows) * lo.gate_up_rows
+    Hp1 = _cdiv(H, lo.gate_up_cols) * lo.gate_up_cols
+    Hp2 = _cdiv(H, lo.down_rows) * lo.down_rows
+    dev = w.w13.device
+    b13 = w.w13_scale.view(torch.uint8) if w.w13_scale.dtype != torch.uint8 else w.w13_scale
+    b2 = w.w2_scale.view(torch.uint8) if w.w2_scale.dtype != torch.uint8 else w.w2_scale
+    w13 = w2 = None
+    for e in range(E):
+        gate = _pad(w.w13[e, :I], Ip, Hp1 // 2)
+        up = _pad(w.w13[e, I:], Ip, Hp1 // 2)
+        codes = ops.pack_nvfp4_for_kernels(torch.cat([gate, up]))
+        sc = torch.cat([_pad(b13[e, :I], Ip, Hp1 // 16), _pad(b13[e, I:], Ip, Hp1 // 16)])
+        t13 = _tiles(codes, sc, lo.gate_up_rows, lo.gate_up_cols)
+        t2 = _tiles(ops.pack_nvfp4_for_kernels(_pad(w.w2[e], Hp2, Ip // 2)),
+                    _pad(b2[e], Hp2, Ip // 16), lo.down_rows, lo.down_cols)
+        if w13 is None:
+            w13 = torch.empty((E, *t13.shape), dtype=torch.uint8, device=dev)
+            w2 = torch.empty((E, *t2.shape), dtype=torch.uint8, device=dev)
+        w13[e] = t13
+        w2[e] = t2
+
+    def f32(t):
+        return t.to(torch.float32).reshape(-1).expand(E).contiguous()
+    return W4A16Weights(
+        layout=lo, activation=w.activation, w13=w13, w2=w2,
+        w13_scale_2=f32(w.w13_scale_2), w2_scale_2=f32(w.w2_scale_2),
+        acc=torch.zeros((FUSED_MAX_TOKENS, Hp2), dtype=torch.float32, device=dev),
+        count=torch.zeros(FUSED_MAX_TOKENS, dtype=torch.int32, device=dev),
+        num_experts=E, hidden_size=H, intermediate_size=I,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(w_ptr, off, ROWS: tl.constexpr, COLS: tl.constexpr, USE_ASM: tl.constexpr):
+    """The tile at byte offset ``off`` as float16 ``[ROWS, COLS]``: ``e2m1 * block_scale * 2**-7``
+    (exact). Unmasked: tiles are whole by construction."""
+    r = tl.arange(0, ROWS)
+    kb = tl.arange(0, COLS // 2)
+    wb = tl.load(w_ptr + off + r[:, None] * (COLS // 2) + kb[None, :])
+    if USE_ASM:
+        lo, hi = K._e2m1_pairs_asm(wb)
+    else:
+        lo, hi = K._e2m1_pairs(wb, ROWS, COLS // 2)
+    # per 8-code group: lo = columns (0, 1, 4, 5), hi = (2, 3, 6, 7)
+    vals = tl.permute(tl.join(tl.reshape(lo, (ROWS, COLS // 4, 2)),
+                              tl.reshape(hi, (ROWS, COLS // 4, 2))), (0, 1, 3, 2))
+    vals = tl.reshape(vals, (ROWS, COLS // 16, 16))
+    ks = tl.arange(0, COLS // 16)
+    sb = tl.load(w_ptr + off + ROWS * COLS // 2 + r[:, None] * (COLS // 16) + ks[None, :])
+    scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    return tl.reshape(vals * scale[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
+def _act_mul(g, u, ACT: tl.constexpr):
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g)) * u
+    else:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+
+
+@triton.jit
+def w4a16_decode_kernel(w_ptr, out_ptr, NR: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
+                        COLS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Tests: every tile of one matrix set ``[E, NR, NK, chunk]`` decoded into ``[E, NR*ROWS,
+    NK*COLS]`` float16."""
+    e = tl.program_id(0)
+    rt = tl.program_id(1)
+    kt = tl.program_id(2)
+    CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
+    off = ((e.to(tl.int64) * NR + rt) * NK + kt) * CHUNK
+    v = _tile(w_ptr, off, ROWS, COLS, USE_ASM)
+    r = rt * ROWS + tl.arange(0, ROWS)
+    c = kt * COLS + tl.arange(0, COLS)
+    base = e.to(tl.int64) * (NR * ROWS) * (NK * COLS)
+    tl.store(out_ptr + base + r[:, None] * (NK * COLS) + c[None, :], v)
+
+
+@triton.jit(do_not_specialize=["P", "num_m_blocks", "topk"])
+def w4a16_gemm1_kernel(
+    x_ptr, w_ptr, s2_ptr, inter_ptr, sorted_ptr, bexp_ptr,
+    P, H, num_m_blocks, topk, stride_xm, stride_im,
+    NI: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    BT: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """``inter[row, n] = act(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for the sorted rows of
+    block ``pid % num_m_blocks`` and the ``ROWS`` columns of tile ``pid // num_m_blocks``, as
+    ``W [ROWS, COLS] @ X^T [COLS, BT]``."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_n = pid // num_m_blocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e < 0:
+        return
+    offs_t = pid_m * BT + tl.arange(0, BT)
+    pair = tl.load(sorted_ptr + offs_t)
+    valid = pair < P
+    tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+    offs_k = tl.arange(0, COLS)
+    xt_ptrs = x_ptr + tok[None, :] * stride_xm + offs_k[:, None]
+    CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
+    e64 = e.to(tl.int64)
+    off_g = (e64 * (2 * NI) + pid_n) * (NK * CHUNK)
+    off_u = off_g + NI * (NK * CHUNK)
+    acc_g = tl.zeros((ROWS, BT), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BT), dtype=tl.float32)
+    for kb in range(0, NK):
+        if EVEN_K:
+            xt = tl.load(xt_ptrs, mask=valid[None, :], other=0.0)
+        else:
+            xt = tl.load(xt_ptrs, mask=valid[None, :] & (offs_k[:, None] < H - kb * COLS), other=0.0)
+        xt = xt.to(tl.float16)
+        wg = _tile(w_ptr, off_g + kb * CHUNK, ROWS, COLS, USE_ASM)
+        wu = _tile(w_ptr, off_u + kb * CHUNK, ROWS, COLS, USE_ASM)
+        acc_g = tl.dot(wg, xt, acc_g)
+        acc_u = tl.dot(wu, xt, acc_u)
+        xt_ptrs += COLS
+    s2 = tl.load(s2_ptr + e) * 128.0
+    h = _act_mul(acc_g * s2, acc_u * s2, ACT)
+    offs_n = pid_n * ROWS + tl.arange(0, ROWS)
+    # padding rows (pair == P) are written too (zeros): GEMM 2 reads whole blocks unmasked
+    tl.store(inter_ptr + offs_t.to(tl.int64)[None, :] * stride_im + offs_n[:, None],
+             h.to(inter_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["P", "num_m_blocks"])
+def w4a16_gemm2_kernel(
+    inter_ptr, w_ptr, s2_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
+    P, H, num_m_blocks, stride_im, stride_ym,
+    NH: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    BT: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """``y[pair, n] = rw[pair] * (inter[row] . down[e, n])`` as ``W [ROWS, COLS] @ inter^T``."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_n = pid // num_m_blocks
+    e = tl.load(bexp_ptr + pid_m)
+    if e < 0:
+        return
+    offs_t = pid_m * BT + tl.arange(0, BT)
+    pair = tl.load(sorted_ptr + offs_t)
+    valid = pair < P
+    offs_k = tl.arange(0, COLS)
+    ht_ptrs = inter_ptr + offs_t.to(tl.int64)[None, :] * stride_im + offs_k[:, None]
+    CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
+    off = (e.to(tl.int64) * NH + pid_n) * (NK * CHUNK)
+    acc = tl.zeros((ROWS, BT), dtype=tl.float32)
+    for kb in range(0, NK):
+        ht = tl.load(ht_ptrs)
+        w = _tile(w_ptr, off + kb * CHUNK, ROWS, COLS, USE_ASM)
+        acc = tl.dot(w, ht, acc)
+        ht_ptrs += COLS
+    rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * (rw * (tl.load(s2_ptr + e) * 128.0))[None, :]
+    offs_n = pid_n * ROWS + tl.arange(0, ROWS)
+    y_ptrs = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[None, :] & (offs_n[:, None] < H))
+
+
+@triton.jit(do_not_specialize=["E"])
+def w4a16_fused_kernel(
+    x_ptr, ids_ptr, topk_w_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, acc_ptr, count_ptr, out_ptr,
+    E, H, stride_xm, stride_om,
+    TOPK: tl.constexpr, NI: tl.constexpr, NK1: tl.constexpr, NH: tl.constexpr, HP: tl.constexpr,
+    ROWS1: tl.constexpr, COLS1: tl.constexpr, ROWS2: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Program ``(pair, j)``: ``h = act(gate_j . x) * (up_j . x)`` (``ROWS1`` intermediate
+    columns), then ``acc[tok] += rw * down[:, j] @ h``; the last program of a token writes
+    ``out[tok]`` from ``acc[tok]`` and clears both. The token is column 0 of ``X^T [COLS1, 16]``."""
+    pair = tl.program_id(0)
+    j = tl.program_id(1)
+    t = pair // TOPK
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    if (e >= 0) & (e < E):
+        col = tl.arange(0, 16)
+        offs_k = tl.arange(0, COLS1)
+        xt_ptrs = x_ptr + t.to(tl.int64) * stride_xm + offs_k[:, None] + col[None, :] * 0
+        CHUNK1: tl.constexpr = ROWS1 * COLS1 // 2 + ROWS1 * COLS1 // 16
+        CHUNK2: tl.constexpr = ROWS2 * ROWS1 // 2 + ROWS2 * ROWS1 // 16
+        e64 = e.to(tl.int64)
+        off_g = (e64 * (2 * NI) + j) * (NK1 * CHUNK1)
+        off_u = off_g + NI * (NK1 * CHUNK1)
+        acc_g = tl.zeros((ROWS1, 16), dtype=tl.float32)
+        acc_u = tl.zeros((ROWS1, 16), dtype=tl.float32)
+        for kb in range(0, NK1):
+            if EVEN_K:
+                xt = tl.load(xt_ptrs, mask=col[None, :] == 0, other=0.0)
+            else:
+                xt = tl.load(xt_ptrs, mask=(col[None, :] == 0) & (offs_k[:, None] < H - kb * COLS1),
+                             other=0.0)
+            xt = xt.to(tl.float16)
+            wg = _tile(w13_ptr, off_g + kb * CHUNK1, ROWS1, COLS1, USE_ASM)
+            wu = _tile(w13_ptr, off_u + kb * CHUNK1, ROWS1, COLS1, USE_ASM)
+            acc_g = tl.dot(wg, xt, acc_g)
+            acc_u = tl.dot(wu, xt, acc_u)
+            xt_ptrs += COLS1
+        s13 = tl.load(s13_ptr + e) * 128.0
+        # columns 1..15 are act(0) * 0 = 0: h is GEMM 2's B operand as it stands
+        h = _act_mul(acc_g * s13, acc_u * s13, ACT).to(tl.float16)
+        coef = tl.load(topk_w_ptr + pair).to(tl.float32) * tl.load(s2_ptr + e) * 128.0
+        r = tl.arange(0, ROWS2)
+        for hb in range(0, NH):
+            w = _tile(w2_ptr, ((e64 * NH + hb) * NI + j) * CHUNK2, ROWS2, ROWS1, USE_ASM)
+            part = tl.sum(tl.dot(w, h), axis=1) * coef
+            tl.atomic_add(acc_ptr + t * HP + hb * ROWS2 + r, part, sem="relaxed")
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == TOPK * NI - 1:
+        ro = tl.arange(0, ROWS2)
+        for hb in range(0, NH):
+            offs = hb * ROWS2 + ro
+            # the counter's acquire orders these after every program's additions (made at L2;
+            # .cg skips L1)
+            a_ptrs = acc_ptr + t * HP + offs
+            v = tl.load(a_ptrs, cache_modifier=".cg")
+            tl.store(a_ptrs, tl.zeros([ROWS2], dtype=tl.float32))
+            tl.store(out_ptr + t.to(tl.int64) * stride_om + offs, v.to(out_ptr.dtype.element_ty),
+                     mask=offs < H)
+        tl.store(count_ptr + t, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
+    """``fused``: the one-launch path (a few pairs); ``num_warps`` / ``num_stages`` per GEMM."""
+    stages = 4 if torch.cuda.is_available() else 1
+    fused = n_tokens * topk <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
+    return {"fused": fused, "num_warps": 4, "num_stages": stages}
+
+
+def _use_asm(rows: int, cols: int, warps: int) -> bool:
+    # four consecutive bytes of a row per thread (kernels._e2m1_pairs_asm): whole 16-byte row
+    # segments and at least four bytes per thread of the tile (ops._asm_decode's rule)
+    return ops.USE_ASM and cols % 32 == 0 and rows * cols // 2 >= 4 * 32 * warps
+
+
+def _opts(cfg: dict) -> dict:
+    o = {"num_warps": cfg["num_warps"]}
+    if torch.cuda.is_available():
+        o["num_stages"] = cfg["num_stages"]
+    return o
+
+
+def decode_w4a16(ww: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' decoded operands (tests): ``(w13 [E, 2I, H], w2 [E, H, I])`` float16, each
+    ``e2m1 * block_scale * 2**-7`` (the global scale is applied to the accumulators)."""
+    lo = ww.layout
+    E, H, I = ww.num_experts, ww.hidden_size, ww.intermediate_size
+
+    def run(t, rows, cols):
+        _, nr, nk, _ = t.shape
+        out = torch.empty((E, nr * rows, nk * cols), dtype=torch.float16, device=t.device)
+        w4a16_decode_kernel[(E, nr, nk)](t, out, NR=nr, NK=nk, ROWS=rows, COLS=cols,
+                                         USE_ASM=_use_asm(rows, cols, 4), num_warps=4)
+        return out
+    g = run(ww.w13, lo.gate_up_rows, lo.gate_up_cols)
+    Ip = g.shape[1] // 2
+    w13 = torch.cat([g[:, :I, :H], g[:, Ip:Ip + I, :H]], dim=1)
+    w2 = run(ww.w2, lo.down_rows, lo.down_cols)[:, :H, :I]
+    return w13, w2
+
+
+def fused_moe_w4a16(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    ww: W4A16Weights,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    _stages: list | None = None,
+) -> torch.Tensor:
+    """``[N, H]``: per token, the routing-weighted sum of its valid experts' gated MLP outputs
+    (``ops.fused_moe_prepared``'s contract for token-major input; ids outside ``[0, E)`` are
+    skipped). ``hidden`` is float16, bfloat16 or float32."""
+
+    def go(name, fn):
+        ret = fn()
+        if _stages is not None:
+            _stages.append((name, fn, ret))
+    N, H = hidden.shape
+    E = ww.num_experts
+    if H != ww.hidden_size:
+        raise ValueError(f"hidden size {H} does not match the weights' {ww.hidden_size}")
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"W4A16 activations must be float16, bfloat16 or float32, got {hidden.dtype}")
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    if topk_ids.shape[0] != N or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{N}, topk]")
+    out = torch.empty((N, H), dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if N == 0:
+        return out
+    hidden = hidden.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    lo = ww.layout
+    Ip, Hp1, Hp2 = ww.padded
+    NI, NK1 = Ip // lo.gate_up_rows, Hp1 // lo.gate_up_cols
+    NH = Hp2 // lo.down_rows
+    cfg = config or default_config(ww, N, topk)
+    act = _ACT[ww.activation]
+    warps = cfg["num_warps"]
+    P = N * topk
+    if cfg.get("fused"):
+        if N > ww.acc.shape[0]:
+            raise ValueError(f"the fused W4A16 path takes at most {ww.acc.shape[0]} tokens, got {N}")
+        asm = _use_asm(lo.gate_up_rows, lo.gate_up_cols, warps) and \
+            _use_asm(lo.down_rows, lo.down_cols, warps)
+        go("fused", lambda: w4a16_fused_kernel[(P, NI)](
+            hidden, topk_ids, topk_weights, ww.w13, ww.w2, ww.w13_scale_2, ww.w2_scale_2,
+            ww.acc, ww.count, out, E, H, hidden.stride(0), out.stride(0),
+            TOPK=topk, NI=NI, NK1=NK1, NH=NH, HP=Hp2, ROWS1=lo.gate_up_rows,
+            COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
+            **_opts(cfg)))
+        return out
+    R = ops.max_sorted_rows(P, E, BLOCK_T)
+    sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
+    bexp = torch.empty(R // BLOCK_T, dtype=torch.int32, device=hidden.device)
+    go("route", lambda: ops.route_into(topk_ids, E, BLOCK_T, sorted_ids, bexp))
+    nmb = R // BLOCK_T
+    inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
+    go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
+        hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
+        P, H, nmb, topk, hidden.stride(0), inter.stride(0),
+        NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=BLOCK_T, ACT=act,
+        EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
+        **_opts(cfg)))
+    y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
+    go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
+        inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
+        P, H, nmb, inter.stride(0), y.stride(0),
+        NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=BLOCK_T,
+        USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps), **_opts(cfg)))
+    bh = min(1024, max(16, triton.next_power_of_2(H)))
+    go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
+        y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh, num_warps=4))
+    return out
