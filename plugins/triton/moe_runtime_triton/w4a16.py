@@ -303,9 +303,10 @@ def w4a16_gemm2_kernel(
     inter_ptr, w_ptr, s2_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
     P, H, num_m_blocks, stride_im, stride_ym,
     NH: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-    BT: tl.constexpr, USE_ASM: tl.constexpr,
+    BT: tl.constexpr, USE_ASM: tl.constexpr, KU: tl.constexpr = 1,
 ):
-    """``y[pair, n] = rw[pair] * (inter[row] . down[e, n])`` as ``W [ROWS, COLS] @ inter^T``."""
+    """``y[pair, n] = rw[pair] * (inter[row] . down[e, n])`` as ``W [ROWS, COLS] @ inter^T``;
+    ``KU`` K tiles per loop iteration (``NK % KU == 0``: the loop's overhead over more weights)."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
@@ -320,11 +321,12 @@ def w4a16_gemm2_kernel(
     CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
     off = (e.to(tl.int64) * NH + pid_n) * (NK * CHUNK)
     acc = tl.zeros((ROWS, BT), dtype=tl.float32)
-    for kb in range(0, NK):
-        ht = tl.load(ht_ptrs)
-        w = _tile(w_ptr, off + kb * CHUNK, ROWS, COLS, USE_ASM)
-        acc = tl.dot(w, ht, acc)
-        ht_ptrs += COLS
+    for kb in range(0, NK // KU):
+        for u in tl.static_range(KU):
+            ht = tl.load(ht_ptrs + u * COLS)
+            w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM)
+            acc = tl.dot(w, ht, acc)
+        ht_ptrs += KU * COLS
     rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * (rw * (tl.load(s2_ptr + e) * 128.0))[None, :]
     offs_n = pid_n * ROWS + tl.arange(0, ROWS)
@@ -411,6 +413,14 @@ def _use_asm(rows: int, cols: int, warps: int) -> bool:
     # four consecutive bytes of a row per thread (kernels._e2m1_pairs_asm): whole 16-byte row
     # segments and at least four bytes per thread of the tile (ops._asm_decode's rule)
     return ops.USE_ASM and cols % 32 == 0 and rows * cols // 2 >= 4 * 32 * warps
+
+
+def down_unroll(nk: int, cols: int) -> int:
+    """K tiles per GEMM 2 loop iteration: up to 256 columns, dividing the tile count."""
+    ku = max(1, 256 // cols)
+    while nk % ku:
+        ku //= 2
+    return ku
 
 
 def _opts(cfg: dict) -> dict:
@@ -510,7 +520,8 @@ def fused_moe_w4a16(
         inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
         P, H, nmb, inter.stride(0), y.stride(0),
         NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=BLOCK_T,
-        USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps), **_opts(cfg)))
+        USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
+        KU=down_unroll(Ip // lo.down_cols, lo.down_cols), **_opts(cfg)))
     bh = min(1024, max(16, triton.next_power_of_2(H)))
     go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
         y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh, num_warps=4))

@@ -158,11 +158,15 @@ def test_padded_sizes_and_gelu(fused, device):
     assert rel_err(out, ref) < TOL
 
 
-def test_fused_sums_several_intermediate_tiles(device):
-    """I = 64 in 32-column tiles: two programs per pair add into one token row."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_several_intermediate_tiles(fused, device):
+    """I = 64 in 32-column tiles: fused, two programs per pair add into one token row; grouped,
+    GEMM 2 runs both K tiles in one unrolled iteration."""
     w = make_weights(4, 64, 64, seed=7, device=device)
-    out, ref, _ = _run(w, torch.tensor([[1, 3, 0]]), fused=True, seed=7, device=device,
-                       layout=W.W4A16Layout(32, 32, 32, 32))
+    lo = W.W4A16Layout(32, 32, 32, 32)
+    assert W.down_unroll(2, lo.down_cols) == 2
+    out, ref, _ = _run(w, torch.tensor([[1, 3, 0], [2, 0, 1]]), fused=fused, seed=7,
+                       device=device, layout=lo)
     assert rel_err(out, ref) < TOL
 
 
@@ -202,6 +206,30 @@ def test_errors_name_the_problem():
         W.fused_moe_w4a16(x, ids, torch.ones(x.shape[0], 1), ww, config={"fused": True,
                                                                           "num_warps": 4,
                                                                           "num_stages": 1})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU interpreter's")
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_w4a16.py --dry-run: both paths checked against the reference, the table
+    written, the one-launch path taken for the few-pair row and the grouped one above."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_w4a16.py"
+    spec = importlib.util.spec_from_file_location("bench_w4a16", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry-run", "--tokens", "1", "16", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 16]
+    for r in rows:
+        assert set(r["impls"]) == {"today", "w4a16 r32k64"}
+        assert all(v["ok"] and v["rel_err"] < bench.TOL for v in r["impls"].values())
+    assert [r["impls"]["w4a16 r32k64"]["path"] for r in rows] == ["fused", "grouped"]
+    assert [r["impls"]["w4a16 r32k64"]["launches"] for r in rows] == [1, 4]
+    md = (tmp_path / "results.md").read_text()
+    assert "| tiny | 1 |" in md and "| tiny | 16 |" in md
 
 
 @pytest.mark.gpu
