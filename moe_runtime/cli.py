@@ -108,7 +108,9 @@ def cmd_plugins(args) -> int:
 # --------------------------------------------------------------------------------------- plan
 
 
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+def add_plan_arguments(p, *, serve: bool = False) -> None:
+    """The planning options of ``plan``, also those of ``serve`` (``serve=True``: the help says
+    what each means for a server, which plans for the device it runs on, in one process)."""
     p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
                    help="pin the experts backend (default: the planner's choice per layer)")
     p.add_argument("--moe-a2a-backend", default=None, metavar="NAME",
@@ -116,29 +118,30 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-a2a-payload", default=None, metavar="PAYLOAD",
                    help="pin the dispatch payload (default: derived from both declarations)")
     p.add_argument("--target-device", default=None, metavar="TARGET",
-                   help="plan for this device instead of probing: cpu, sm90, sm100, cuda:9.0 ...")
+                   help="the device --device names, described (cpu, sm90, sm100, cuda:9.0 ...): "
+                        "serve plans for the device it runs on, so a target that differs from it "
+                        "is refused; `moe-runtime plan --target-device` plans for another "
+                        "machine" if serve else
+                        "plan for this device instead of probing: cpu, sm90, sm100, cuda:9.0 ...")
     p.add_argument("--ep-size", type=int, default=1, metavar="N",
-                   help="expert-parallel ranks (default 1)")
+                   help="expert-parallel ranks (default 1); serve runs one process, so only 1 "
+                        "is served: `moe-runtime plan --ep-size N` shows the plan of N ranks"
+                        if serve else "expert-parallel ranks (default 1)")
     p.add_argument("--max-tokens-per-rank", type=int, default=4096, metavar="N",
                    help="largest batch per rank the deployment sends (default 4096)")
     p.add_argument("--no-degradation", action="store_true",
                    help="refuse declared degradations (e.g. NVFP4 W4A4 run as W4A16)")
 
 
-def make_plan(args, checkpoint, registry):
-    """Plan ``checkpoint`` (a CheckpointInfo) for the options in ``args``."""
-    from moe_runtime.checkpoint.problems import problems_from_checkpoint
-    from moe_runtime.environment import Environment
-    from moe_runtime.planner import Deployment, plan_model
+def deployment_from_args(args):
+    """The :class:`~moe_runtime.planner.Deployment` the planning options in ``args`` ask for."""
+    from moe_runtime.planner import Deployment
 
-    if args.ep_size < 1:
-        raise SystemExit(f"--ep-size must be at least 1, got {args.ep_size}")
-    if args.target_device:
-        env = Environment.for_target(args.target_device)
-    else:
-        env = Environment.probe(device=getattr(args, "device", None),
-                                modules=registry.required_modules())
-    dep = Deployment(
+    for name in ("ep_size", "max_tokens_per_rank"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(args, name)}")
+    return Deployment(
         ep_size=args.ep_size,
         experts_backend=args.moe_runner_backend,
         comm_backend=args.moe_a2a_backend,
@@ -146,6 +149,20 @@ def make_plan(args, checkpoint, registry):
         max_tokens_per_rank=args.max_tokens_per_rank,
         allow_degradation=not args.no_degradation,
     )
+
+
+def make_plan(args, checkpoint, registry):
+    """Plan ``checkpoint`` (a CheckpointInfo) for the options in ``args``."""
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
+    from moe_runtime.environment import Environment
+    from moe_runtime.planner import plan_model
+
+    dep = deployment_from_args(args)
+    if args.target_device:
+        env = Environment.for_target(args.target_device)
+    else:
+        env = Environment.probe(device=getattr(args, "device", None),
+                                modules=registry.required_modules())
     return plan_model(problems_from_checkpoint(checkpoint), registry=registry, environment=env,
                       deployment=dep)
 

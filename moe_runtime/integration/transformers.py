@@ -25,9 +25,15 @@ from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name, torch_dtype
 EXPERTS_IMPLEMENTATION = "moe_runtime"
 
 
-
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    return self._moe_runtime_executor(hidden_states, top_k_index, top_k_weights)
+    bound = self._moe_runtime_max_tokens
+    if bound is not None and hidden_states.shape[0] > bound:  # a shape: host metadata, no sync
+        raise ValueError(
+            f"a forward of {hidden_states.shape[0]} tokens reached an MoE layer, but the model was "
+            f"loaded with max_tokens_per_forward={bound}: the engine must keep every forward "
+            "within the bound it gave to load_model")
+    return self._moe_runtime_executor(hidden_states, top_k_index, top_k_weights,
+                                      max_tokens_per_rank=self._moe_runtime_mode_tokens)
 
 
 def register_experts_implementation() -> None:
@@ -37,22 +43,73 @@ def register_experts_implementation() -> None:
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
 
 
-@attrs.define
+@attrs.frozen
 class LoadedModel:
+    """A loaded model and what runs it; what ``load_model`` returns and the server serves.
+
+    :param model: a transformers causal LM in eval mode (``generate`` and continuous batching work).
+    :param checkpoint: the :class:`~moe_runtime.checkpoint.CheckpointInfo` it was read from.
+    :param plan: the :class:`~moe_runtime.planner.Plan` its MoE layers run (``None``: transformers'
+        own experts on dequantized weights).
+    :param linears: how every other module is served (``"bfloat16"``, ``"fp8 dequantized at
+        load"``...), by checkpoint module name.
+    :param dtype: the model's torch dtype.
+    :param device: where it runs.
+    :param tokenizer: its tokenizer (set by the server's loader; ``None`` from ``load_model``).
+    :param name: the model id (the checkpoint folder's name unless the server names it).
+    :param generation_defaults: sampling defaults from ``generation_config.json`` by request
+        field name (``temperature``, ``top_p``, ``top_k``, ``max_tokens``): those the file sets.
+    """
+
     model: torch.nn.Module
     checkpoint: object
     plan: object | None
-    linears: dict[str, str]  # module -> how it is served ("bf16", "fp8 dequantized to bf16", ...)
+    linears: dict[str, str]
     dtype: torch.dtype
     device: str
+    tokenizer: object = None
+    name: str = ""
+    generation_defaults: dict = attrs.field(factory=dict)
 
     def plan_json(self) -> dict:
+        """What runs each MoE layer, as JSON (``GET /v1/moe/plan``): ``loader``, ``dtype``,
+        ``device``, ``checkpoint``, ``linears``, then the plan's own fields (``layers`` with
+        ``layer``, ``format``, ``communication`` and ``experts`` each, ``rejections``...)."""
         from moe_runtime.checkpoint.problems import checkpoint_summary
 
-        data = {"checkpoint": checkpoint_summary(self.checkpoint), "linears": self.linears}
+        dtype = str(self.dtype).replace("torch.", "")
+        data = {"loader": "moe-runtime" if self.plan is not None else "transformers",
+                "dtype": dtype, "device": self.device,
+                "checkpoint": checkpoint_summary(self.checkpoint), "linears": self.linears}
         if self.plan is not None:
             data.update(self.plan.to_json())
+        else:
+            data.update(layers=self._transformers_layers(data["checkpoint"], dtype),
+                        rejections=[])
         return data
+
+    def _transformers_layers(self, summary: dict, dtype: str) -> list[dict]:
+        """Each MoE layer as transformers' experts run it, in the model's dtype."""
+        from moe_runtime.formats import ENCODINGS
+
+        impl = getattr(self.model.config, "_experts_implementation", None) or "eager"
+        short = {e.element: e.name for e in ENCODINGS.values()}  # bfloat16 -> bf16 ...
+        stored_dtype = model_dtype_name(self.checkpoint.dtype)
+        stored = {m["layer"]: m["format"] for m in summary.get("moe_layers", [])}
+        layers = []
+        for name, module in self.model.named_modules():
+            if not (name.endswith("experts") and hasattr(module, "gate_up_proj")
+                    and hasattr(module, "down_proj")):
+                continue
+            fmt = stored.get(name) or stored.get(name.rsplit(".", 1)[0]) or short.get(
+                stored_dtype, stored_dtype)
+            converted = fmt != short.get(dtype, dtype)
+            layers.append({
+                "layer": name, "format": fmt, "communication": "none",
+                "experts": f"transformers:{impl}", "runs_as": dtype,
+                "notes": [f"{fmt} weights converted to {dtype} at load"] if converted else [],
+            })
+        return layers
 
 
 def _hf_config(model_dir: Path, dtype: torch.dtype):
@@ -137,6 +194,7 @@ def load_model(
     progress: Callable | bool = False,
     agreement_timeout: float = 120.0,
     plan=None,
+    max_tokens_per_forward: int | None = None,
 ) -> LoadedModel:
     """Load a local checkpoint as a transformers model whose MoE layers run through moe-runtime.
 
@@ -151,6 +209,14 @@ def load_model(
     ``group`` compare their plans before any weight is read (:func:`moe_runtime.agreement.
     agree_on_plan`): a difference (a refusal on one rank included) stops every rank with one
     message, a rank that does not report within ``agreement_timeout`` seconds stops the others.
+
+    ``max_tokens_per_forward`` is the engine's promise: no forward of the model passes more tokens
+    than this through an MoE layer on this rank (as a CUDA-graph capture size or a scheduler's
+    batch budget bounds it). Under expert parallelism every layer then picks its communication
+    mode from that bound, the same on every rank and with no host synchronisation in the forward
+    (without it every forward uses the plan's last mode, which admits every batch); it may not
+    exceed the plan's ``max_tokens_per_rank``. A forward over the bound is refused. On one rank a
+    layer reads each batch's own size instead (a shape, no synchronisation either).
     """
     from transformers import AutoModelForCausalLM
 
@@ -182,6 +248,8 @@ def load_model(
     deployment = deployment or Deployment()
     if ep_size is None:
         ep_size = deployment.ep_size
+    if not dequantize_experts:
+        _check_token_bound(max_tokens_per_forward, deployment, ep_size)
     given, plan = plan, None
     if not dequantize_experts:
         registry = registry or Registry.load()
@@ -266,12 +334,27 @@ def load_model(
                 mod._moe_runtime_executor = build_executor(
                     lp, registry, w, device=device, ep_rank=ep_rank, ep_size=ep_size,
                     group=group, max_tokens_per_rank=deployment.max_tokens_per_rank)
+                mod._moe_runtime_max_tokens = max_tokens_per_forward
+                # under EP the bound picks the mode, alike on every rank; on one rank the batch
+                mod._moe_runtime_mode_tokens = max_tokens_per_forward if ep_size > 1 else None
             linears.setdefault(layer.name, f"MoE experts: {layer.quant.format}")
             bar.update(1)
     bar.close()
     tensors.close()
     model.eval()
-    return LoadedModel(model, ckpt, plan, linears, dtype, device)
+    return LoadedModel(model, ckpt, plan, linears, dtype, device, name=model_dir.name)
+
+
+def _check_token_bound(bound: int | None, deployment, ep_size: int) -> None:
+    if bound is None:
+        return
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+        raise ValueError(f"max_tokens_per_forward must be a positive int, got {bound!r}")
+    if ep_size > 1 and bound > deployment.max_tokens_per_rank:
+        raise ValueError(
+            f"max_tokens_per_forward={bound} exceeds the plan's max_tokens_per_rank="
+            f"{deployment.max_tokens_per_rank}: the backends are set up for at most that many "
+            f"tokens per rank; plan with --max-tokens-per-rank {bound} or more")
 
 
 def check_given_plan(plan, problems, registry):

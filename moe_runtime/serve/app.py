@@ -131,7 +131,7 @@ class _Server:
         return JSONResponse(self._model_card())
 
     async def plan(self, request: Request) -> Response:
-        return JSONResponse(self._ready_engine().loaded.plan)
+        return JSONResponse(self._ready_engine().loaded.plan_json())
 
     # -------------------------------------------------------------------------- generation
 

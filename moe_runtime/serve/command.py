@@ -92,13 +92,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="compute dtype (default auto: the checkpoint's; half = float16, "
                             "float = float32)")
-    model.add_argument("--moe-runner-backend", default=None, metavar="NAME",
-                       help="pin the experts backend (default: the planner's choice per layer)")
-    model.add_argument("--moe-a2a-backend", default=None, metavar="NAME",
-                       help="pin the communication backend (default: the planner's choice)")
     model.add_argument("--device", default="auto",
                        help="torch device to run on: auto (CUDA when present, else cpu), cpu, "
                             "cuda, cuda:1 ...")
+    from moe_runtime.cli import add_plan_arguments
+
+    add_plan_arguments(parser.add_argument_group(
+        "planning", "the options of `moe-runtime plan`, with the same meaning: the checkpoint is\n"
+        "planned once, for the device serve runs on, and that plan runs every MoE layer"),
+        serve=True)
     engine = parser.add_argument_group("batching and memory")
     engine.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int,
                         default=8, metavar="N",
@@ -198,6 +200,39 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must not be negative, got {args.shutdown_timeout}")
+    if args.max_tokens_per_rank < 1:
+        raise UsageError(f"--max-tokens-per-rank must be at least 1, got "
+                         f"{args.max_tokens_per_rank}")
+    if args.ep_size != 1:
+        raise UsageError(
+            f"--ep-size {args.ep_size}: serve runs one process, so it serves one expert-parallel "
+            "rank (--ep-size 1, the default); `moe-runtime plan CHECKPOINT --ep-size "
+            f"{args.ep_size}` shows the plan of {args.ep_size} ranks, and load_model(..., "
+            f"ep_size={args.ep_size}) runs it on ranks started by torch.distributed")
+    if args.target_device:
+        from moe_runtime.environment import Environment
+
+        try:
+            Environment.for_target(args.target_device)
+        except ValueError as exc:
+            raise UsageError(f"--target-device: {exc}") from None
+
+
+def check_target_device(target: str, device: str) -> None:
+    """Refuse ``--target-device`` unless it describes ``device``, the device serve runs on."""
+    from moe_runtime.environment import Environment
+
+    wanted = Environment.for_target(target)
+    try:
+        here = Environment.probe(device=device)
+    except ValueError as exc:
+        raise UsageError(f"--device {device}: {exc}") from None
+    if (wanted.device, wanted.capability) != (here.device, here.capability):
+        raise UsageError(
+            f"--target-device {target} describes {wanted.described}, but serve runs on "
+            f"{here.described} (--device {device}): serve plans for the device it runs on; "
+            f"leave --target-device out, or give one that names this device, and plan for "
+            f"another machine with `moe-runtime plan CHECKPOINT --target-device {target}`")
 
 
 def chat_template_text(value: str) -> str:
@@ -273,6 +308,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("moe_runtime.serve")
     try:
         _check_options(args)
+        if args.target_device:  # looks at the device (imports torch) only when one is given
+            check_target_device(args.target_device, _resolve_device(args.device))
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -325,10 +362,12 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
         random.seed(args.seed)
         torch.manual_seed(args.seed)
     device = _resolve_device(args.device)
+    from moe_runtime.cli import deployment_from_args
+
     try:
         loaded = load_for_serving(
-            model_dir, device=device, moe_runner_backend=args.moe_runner_backend,
-            moe_a2a_backend=args.moe_a2a_backend, progress=True, dtype=args.dtype,
+            model_dir, device=device, deployment=deployment_from_args(args), progress=True,
+            dtype=args.dtype,
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
             generation_config=source.generation_config,
             # the command line's -p no:NAME and kin (moe-runtime serve); else the environment
@@ -403,7 +442,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
             server_state.attach(engine)
             log.info("serving %r (%d MoE layers, context %d tokens) at http://%s:%d/v1%s (ready "
                      "once a first token is generated)", source.name,
-                     len(engine.loaded.plan.get("layers", [])), engine.context_length, shown,
+                     len(engine.loaded.checkpoint.moe_layers), engine.context_length, shown,
                      port, " (API key required)" if args.api_key else "")
             seconds = engine.probe()
         except (_StartupFailure, ReadinessError) as exc:

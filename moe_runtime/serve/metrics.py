@@ -103,7 +103,7 @@ class ServerMetrics:
 
     def describe_engine(self, engine) -> None:
         """Read the engine's plan and live counts (called once the model is loaded)."""
-        plan = engine.loaded.plan
+        plan = engine.loaded.plan_json()
         self._model_info.info({
             "model": self.model_name,
             "loader": str(plan.get("loader", "")),

@@ -44,9 +44,6 @@ RULES = (
         [r"[\"'](?:bfloat16|float16|float32|half)[\"']\s*:\s*(?:torch\.|[\"'])",  # name tables
          r"getattr\(\s*torch\s*,\s*[\w.]*dtype\b",  # a torch dtype from a dtype name
          r"\.get\(\s*[\"']torch_dtype[\"']"],  # config.json's dtype keys
-        {"moe_runtime/serve/loading.py":
-            "issue 13: serve's own dtype names (_DTYPES, _config_dtype, _resolve_dtype) are to "
-            "move to moe_runtime.dtypes; serve/ is another helper's area"},
     ),
     Rule(
         "safetensors index and header parsing", "moe_runtime/checkpoint/tensors.py",

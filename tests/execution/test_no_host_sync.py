@@ -151,3 +151,134 @@ def test_an_expert_parallel_forward_makes_no_host_copy_outside_the_backends(worl
         assert modes == ["small", "large"]
         assert seen == [], f"rank {rank}: host copies on the forward path: {seen}"
         assert err_default < 1e-5 and err_bounded < 1e-5
+
+
+# --------------------------------------------------------- the engine's bound, through load_model
+
+
+def _load_model_worker(rank, world, port, path, queue):
+    import torch.distributed as dist
+
+    from moe_runtime.integration.transformers import load_model
+    from moe_runtime.planner import Deployment
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        reg = _registry()
+        deployment = Deployment(ep_size=world, max_tokens_per_rank=64)
+        results = {}
+        for bound in (6, None):  # the engine's promise: at most 6 tokens per forward
+            loaded = load_model(path, registry=reg, deployment=deployment, dtype="float32",
+                                ep_rank=rank, ep_size=world, group=dist.group.WORLD,
+                                max_tokens_per_forward=bound)
+            seen, modes = _count_in_moe_layers(loaded.model)
+            # the ranks' batches differ (3 and 6 tokens): each picks its mode from the bound
+            ids = torch.arange(3 if rank == 0 else 6).reshape(1, -1) + 5
+            with torch.no_grad():
+                logits = loaded.model(ids).logits
+            results[bound] = (list(seen), sorted(set(modes)), logits)
+        alone = load_model(path, dtype="float32")  # one rank, the built-in plan
+        with torch.no_grad():
+            expected = alone.model(ids).logits
+        queue.put((rank, {b: (s, m, float((lg - expected).abs().max()))
+                          for b, (s, m, lg) in results.items()}, None))
+    except Exception:
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _count_in_moe_layers(model):
+    """Count host copies made inside the MoE layers' experts calls (outside the backends), and
+    record the communication mode each call used."""
+    seen: list[str] = []
+    modes: list[str] = []
+    inside = [0]
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            if inside[0] == 1:  # in an MoE layer, not in a backend's own call
+                seen.append(name)
+            return original(self, *a, **k)
+        return wrapper
+
+    def entering(fn, depth, mode=None):
+        def wrapper(*a, **k):
+            if mode is not None:
+                modes.append(mode)
+            inside[0] += depth
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] -= depth
+        return wrapper
+
+    for module in model.modules():
+        ex = getattr(module, "_moe_runtime_executor", None)
+        if ex is None:
+            continue
+        for mode, comm, experts in ex.paths:
+            comm.dispatch = entering(comm.dispatch, 1, mode.comm_mode)
+            comm.combine = entering(comm.combine, 1)
+            if not hasattr(experts.forward, "_wrapped"):
+                experts.forward = entering(experts.forward, 1)
+                experts.forward._wrapped = True
+        module._moe_runtime_executor = entering(ex, 1)
+    for name in HOST_COPIES:
+        patcher = mock.patch.object(torch.Tensor, name, counted(name))
+        patcher.start()
+    return seen, modes
+
+
+def test_load_model_hands_the_engines_token_bound_to_every_layer(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe", "bf16")
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_load_model_worker, args=(r, world, port, str(path), queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank, by_bound, error in results:
+        assert error is None, f"rank {rank} failed:\n{error}"
+        seen, modes, err = by_bound[6]
+        assert seen == [], f"rank {rank}: host copies in the MoE layers: {seen}"
+        assert modes == ["small"], f"rank {rank}: the bound of 6 tokens picks the bounded mode"
+        assert err < 1e-4
+        seen, modes, err = by_bound[None]
+        assert seen == [] and modes == ["large"], "without a bound every rank uses the last mode"
+        assert err < 1e-4
+
+
+def test_a_forward_over_the_engines_bound_is_refused(tiny_checkpoint):
+    from moe_runtime.integration.transformers import load_model
+
+    loaded = load_model(tiny_checkpoint("qwen3_moe", "bf16"), dtype="float32",
+                        max_tokens_per_forward=4)
+    with torch.no_grad():
+        loaded.model(torch.arange(4).reshape(1, -1))  # at the bound: served
+        with pytest.raises(ValueError, match="forward of 5 tokens .* max_tokens_per_forward=4"):
+            loaded.model(torch.arange(5).reshape(1, -1))
+
+
+@pytest.mark.parametrize("bound, needle", [
+    (65, "exceeds the plan's max_tokens_per_rank=64.*--max-tokens-per-rank 65"),
+    (0, "max_tokens_per_forward must be a positive int, got 0"),
+])
+def test_a_bound_the_plan_cannot_serve_is_refused_before_loading(tiny_checkpoint, bound, needle):
+    from moe_runtime.integration.transformers import load_model
+    from moe_runtime.planner import Deployment
+
+    with pytest.raises(ValueError, match=needle):
+        load_model(tiny_checkpoint("qwen3_moe", "bf16"), ep_size=2,
+                   deployment=Deployment(ep_size=2, max_tokens_per_rank=64),
+                   max_tokens_per_forward=bound)
