@@ -15,7 +15,7 @@ __all__ = ["Engine", "LoadedModel", "add_serve_arguments", "create_app", "load_f
 _LAZY = {
     "create_app": "moe_runtime.serve.app",
     "Engine": "moe_runtime.serve.engine",
-    "LoadedModel": "moe_runtime.serve.loading",
+    "LoadedModel": "moe_runtime.integration.transformers",  # the one class, also load_model's
     "load_for_serving": "moe_runtime.serve.loading",
 }
 

@@ -77,6 +77,9 @@ def test_serve_plans_once_and_serves_what_plan_decides(model_dir, monkeypatch, c
     loaded = load_for_serving(model_dir, dtype="float32", progress=False,
                               deployment=deployment_from_args(_serve_args(*argv)))
     assert len(calls) == 1, "serve planned the checkpoint more than once"
+    import moe_runtime.serve
+
+    assert moe_runtime.serve.LoadedModel is LoadedModel  # one class, the server's and load_model's
     assert isinstance(loaded, LoadedModel) and isinstance(loaded.plan, planner.Plan)
     assert loaded.plan.deployment.max_tokens_per_rank == 64
     assert not loaded.plan.deployment.allow_degradation
