@@ -11,7 +11,8 @@ Issue 20, step 3 (the Marlin recipe, as far as Triton allows):
   Gate and up rows are padded apart so that a row tile never straddles them; padding holds zero
   codes and zero scales (value 0).
 - **Swap-AB**: the weight tile is the MMA's M operand, ``tl.dot(W [ROWS, COLS], X^T [COLS, T])``
-  with the tokens of one expert (``T = 16`` rows of the routing's sorted blocks) as N. Small
+  with the tokens of one expert (``T = 16`` rows of the routing's sorted blocks at 1-128 tokens,
+  up to 64 for larger batches) as N. Small
   token counts then waste no MMA rows on padding tokens, and on Hopper the decoded tile can stay
   in registers as the warpgroup MMA's A operand (B, the activations, is what goes through shared
   memory).
@@ -54,7 +55,7 @@ from moe_runtime_triton import ops
 
 FUSED_MAX_PAIRS = 16  # (token, expert) pairs up to which the one-launch path runs by default
 FUSED_MAX_TOKENS = 16  # rows of the fused path's float32 workspace
-BLOCK_T = 16  # tokens per expert block (the MMA's N); the smallest tl.dot size
+BLOCK_T = 16  # default tokens per expert block (the MMA's N); the smallest tl.dot size
 _ACT = {F.SILU: K.ACT_SILU, F.GELU: K.ACT_GELU}
 _FORMATS = (F.NVFP4_W4A16, F.NVFP4_W4A4)  # stored formats whose codes this path reads as W4A16
 
@@ -403,10 +404,18 @@ def w4a16_fused_kernel(
 
 
 def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
-    """``fused``: the one-launch path (a few pairs); ``num_warps`` / ``num_stages`` per GEMM."""
+    """``fused``: the one-launch path (a few pairs); else the grouped path with ``BLOCK_T`` tokens
+    per expert block (the MMA's N: 16, 32 or 64 from the mean rows per touched expert);
+    ``num_warps`` / ``num_stages`` of the GEMMs."""
     stages = 4 if torch.cuda.is_available() else 1
-    fused = n_tokens * topk <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
-    return {"fused": fused, "num_warps": 4, "num_stages": stages}
+    pairs = max(1, n_tokens * topk)
+    fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
+    rows = pairs / min(ww.num_experts, pairs)
+    bt = 16 if rows <= 16 else 32 if rows <= 48 else 64
+    # shared memory per stage grows with the activations' tile (COLS x BT): 64-token blocks of
+    # the default layout fit the H200's 227 KB with 2 stages (sm_90 compile: 146 KB)
+    return {"fused": fused, "BLOCK_T": bt, "num_warps": 4,
+            "num_stages": stages if bt <= 32 else min(stages, 2)}
 
 
 def _use_asm(rows: int, cols: int, warps: int) -> bool:
@@ -503,23 +512,26 @@ def fused_moe_w4a16(
             COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
             **_opts(cfg)))
         return out
-    R = ops.max_sorted_rows(P, E, BLOCK_T)
+    bt = cfg.get("BLOCK_T", BLOCK_T)
+    if bt < 16 or bt & (bt - 1):
+        raise ValueError(f"BLOCK_T must be a power of two >= 16 (the MMA's N), got {bt}")
+    R = ops.max_sorted_rows(P, E, bt)
     sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
-    bexp = torch.empty(R // BLOCK_T, dtype=torch.int32, device=hidden.device)
-    go("route", lambda: ops.route_into(topk_ids, E, BLOCK_T, sorted_ids, bexp))
-    nmb = R // BLOCK_T
+    bexp = torch.empty(R // bt, dtype=torch.int32, device=hidden.device)
+    go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
+    nmb = R // bt
     inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
     go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
         hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
         P, H, nmb, topk, hidden.stride(0), inter.stride(0),
-        NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=BLOCK_T, ACT=act,
+        NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
         EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
         **_opts(cfg)))
     y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
     go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
         inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
         P, H, nmb, inter.stride(0), y.stride(0),
-        NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=BLOCK_T,
+        NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=bt,
         USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
         KU=down_unroll(Ip // lo.down_cols, lo.down_cols), **_opts(cfg)))
     bh = min(1024, max(16, triton.next_power_of_2(H)))

@@ -136,6 +136,23 @@ def test_minus_one_ids_and_repeated_calls(fused, device):
         assert torch.all(ww.acc == 0) and torch.all(ww.count == 0)
 
 
+@pytest.mark.parametrize("bt", [32, 64])
+def test_grouped_wider_token_blocks(bt, device):
+    """BLOCK_T above 16 (the larger batches' blocks): 40 pairs on one expert, 3 on another."""
+    w = make_weights(4, 64, 32, seed=12, device=device)
+    ids = torch.tensor([[1, 3]] * 3 + [[1, 0]] * 37)
+    torch.manual_seed(12)
+    x = torch.randn(ids.shape[0], 64).half().to(device)
+    wts = torch.rand(ids.shape).to(device)
+    ids = ids.to(device=device, dtype=torch.int32)
+    ww = W.prepare_w4a16(w)
+    cfg = {"fused": False, "BLOCK_T": bt, "num_warps": 4, "num_stages": 1}
+    out = W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
+    assert rel_err(out, reference(x, ids, wts, w)) < TOL
+    with pytest.raises(ValueError, match="BLOCK_T must be a power of two"):
+        W.fused_moe_w4a16(x, ids, wts, ww, config={**cfg, "BLOCK_T": 24})
+
+
 def test_grouped_random_routing_and_a_crowded_expert(device):
     # 7 tokens x 3 experts of 8; then 20 pairs on expert 2 (two 16-row blocks), others empty
     w = make_weights(8, 64, 32, seed=4, device=device)
@@ -184,6 +201,7 @@ def test_default_config_picks_fused_for_few_pairs():
     ww = W.prepare_w4a16(w)
     assert W.default_config(ww, 2, 8)["fused"]
     assert not W.default_config(ww, 3, 8)["fused"]  # 24 pairs
+    assert W.default_config(ww, 128, 8)["BLOCK_T"] == 64  # 256 rows per expert of 4
 
 
 def test_errors_name_the_problem():
