@@ -150,13 +150,12 @@ async def _http_request(client, model: str, prompt_ids, max_tokens: int) -> dict
 
 async def _http_wave(url: str, model: str, prompts, *, clients: int, per_client: int,
                      max_tokens: int, bar=None):
-    import httpx
     import openai
 
     results: list[dict | None] = [None] * (clients * per_client)
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600,
-                                  http_client=httpx.AsyncClient(limits=limits)) as client:
+    # the client's default pool holds 1000 connections: every client count here gets its own
+    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0,
+                                  timeout=600) as client:
         async def one(c: int) -> None:
             for k in range(per_client):
                 i = c * per_client + k

@@ -72,6 +72,16 @@ async def _greedy_batch(engine, prompts, max_tokens):
     return [r.token_ids for r in results]
 
 
+async def _seeded(engine, prompts, max_tokens):
+    """Request 0 sampled with a fixed seed, the others greedy or with their own seeds."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1234)] + [
+        SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.8, seed=i)
+        for i in range(1, len(prompts))]
+    results = await asyncio.gather(*[engine.complete(p, max_tokens=max_tokens, sampling=s)
+                                     for p, s in zip(prompts, params, strict=True)])
+    return [r.token_ids for r in results]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
                                                             "captured only there)")
@@ -92,6 +102,9 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
         try:
             prompts = [engine.encode_prompt(f"request {i}: once upon a time") for i in range(6)]
             tokens[graphs] = asyncio.run(_greedy_batch(engine, prompts, 24))
+            # a seeded request draws the same tokens alone and batched, graphs or not
+            tokens[graphs, "alone"] = asyncio.run(_seeded(engine, prompts[:1], 24))[0]
+            tokens[graphs, "batched"] = asyncio.run(_seeded(engine, prompts, 24))[0]
             if graphs is None:  # transformers keeps its captured graphs by padded shape
                 captured = engine._manager.batch_processor.inputs_and_outputs.graphs._storage
                 assert captured, "no graph was captured"
@@ -99,3 +112,5 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
             engine.shutdown()
     assert all(len(t) == 24 for t in tokens[False])
     assert tokens[None] == tokens[False]
+    assert tokens[False, "alone"] == tokens[False, "batched"] == tokens[None, "batched"] \
+        == tokens[None, "alone"]
