@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from moe_runtime.declarations import describe_comm_support, describe_support
+from moe_runtime.tuning.command import add_tune_command, add_tuning_cache_argument
 
 EPILOG = """\
 plugins are loaded in this order: names blocked with -p no:NAME or MOE_RUNTIME_BLOCK_PLUGINS
@@ -163,8 +164,10 @@ def make_plan(args, checkpoint, registry):
     else:
         env = Environment.probe(device=getattr(args, "device", None),
                                 modules=registry.required_modules())
+    from moe_runtime.tuning.command import tuning_for
+
     return plan_model(problems_from_checkpoint(checkpoint), registry=registry, environment=env,
-                      deployment=dep)
+                      deployment=dep, tuning=tuning_for(args, env, registry))
 
 
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
@@ -264,6 +267,8 @@ def cmd_plan(args) -> int:
     print(f"check: {'ok' if report.ok else 'memory warning'}; {report.summary}")
     print(f"environment: {plan.environment.described}; ep size {plan.deployment.ep_size}")
     print_plan_table(plan)
+    for note in plan.notes:  # the tuning cache read, or why one was ignored
+        print(f"note: {note}")
     from moe_runtime.plugin.first_party import degraded_plan_hints
 
     for line in degraded_plan_hints(lp.problem.name for lp in plan.layers if lp.degradations):
@@ -416,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     add_plan_arguments(p)
     add_check_arguments(p)
+    add_tuning_cache_argument(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -435,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_check)
 
+    add_tune_command(sub)
     _add_optional_commands(sub)
     return parser
 

@@ -1,0 +1,156 @@
+"""``moe-runtime tune`` on a tiny real checkpoint on CPU: the planner's candidates run through their
+real prepare and forward (reference and cpu_dequantized), the cache it writes is what the next
+``plan`` reads. The tuning loop is also run in-process with a fake timer, so the choice is known."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from moe_runtime import ExpertsBackendSpec, Hardware, Support, hookimpl
+from moe_runtime.checkpoint import read_checkpoint
+from moe_runtime.checkpoint.problems import problems_from_checkpoint
+from moe_runtime.environment import Environment
+from moe_runtime.planner import plan_model
+from moe_runtime.plugin.manager import get_plugin_manager
+from moe_runtime.plugin.registry import Registry
+from moe_runtime.testing.dists import run_cli
+from moe_runtime.tuning.cache import Section, cache_key, load_tuning, write_sections
+from moe_runtime.tuning.measure import Timing, shapes_to_tune, tune
+
+CPU = Environment("cpu", None, frozenset({"torch"}), "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tune") / "m", arch="qwen3_moe",
+                                quant="bf16", num_layers=3)
+
+
+def builtin_registry(*specs) -> Registry:
+    plugins = []
+    if specs:
+        plugin = types.ModuleType("tune_test_plugin")
+
+        @hookimpl
+        def moe_runtime_register_backends(register):
+            for s in specs:
+                register(s)
+
+        plugin.moe_runtime_register_backends = moe_runtime_register_backends
+        plugins.append(plugin)
+    return Registry.from_plugin_manager(
+        get_plugin_manager(autoload=False, plugins=plugins, environ={}))
+
+
+class FakeTimer:
+    """Runs the call once (the real backend) and reports the time the test chose for it."""
+
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times, self.outputs = times, []
+
+    def __call__(self, fn, case) -> Timing:
+        self.outputs.append((case.plan.experts, case.tokens, tuple(fn().shape)))
+        return Timing(self.times[case.plan.experts], 1, "fake")
+
+
+def test_tune_times_each_candidate_of_each_distinct_shape_through_the_real_backends(checkpoint):
+    reg = builtin_registry()
+    problems = problems_from_checkpoint(read_checkpoint(checkpoint))
+    shapes = shapes_to_tune(problems, registry=reg, environment=CPU, tokens=[1, 8])
+    assert len(problems) == 3 and len(shapes) == 1  # three layers, one shape
+    assert [lp.experts for lp in shapes[0].plans] == ["cpu_dequantized", "reference"]
+    timer = FakeTimer({"cpu_dequantized": 20.0, "reference": 10.0})
+    found = tune(shapes, [1, 8], registry=reg, device="cpu", timer=timer)
+    hidden = problems[0].hidden_size
+    assert sorted(timer.outputs) == [("cpu_dequantized", 1, (1, hidden)),
+                                     ("cpu_dequantized", 8, (8, hidden)),
+                                     ("reference", 1, (1, hidden)), ("reference", 8, (8, hidden))]
+    assert {(m.candidate["experts"], m.tokens, m.median_us) for m in found} == {
+        ("cpu_dequantized", 1, 20.0), ("cpu_dequantized", 8, 20.0), ("reference", 1, 10.0),
+        ("reference", 8, 10.0)}
+
+
+def test_a_cache_of_tune_makes_the_plan_pick_the_measured_fastest(checkpoint, tmp_path):
+    reg = builtin_registry()
+    problems = problems_from_checkpoint(read_checkpoint(checkpoint))
+    shapes = shapes_to_tune(problems, registry=reg, environment=CPU, tokens=[16])
+    found = tune(shapes, [16], registry=reg, device="cpu",
+                 timer=FakeTimer({"cpu_dequantized": 20.0, "reference": 10.0}))
+    path = tmp_path / "tuning.json"
+    write_sections(path, [Section(cache_key(CPU, reg), CPU.to_json(), tuple(found))])
+    declared = plan_model(problems, registry=reg, environment=CPU)
+    measured = plan_model(problems, registry=reg, environment=CPU,
+                          tuning=load_tuning(path, CPU, reg))
+    assert {lp.experts for lp in declared.layers} == {"cpu_dequantized"}
+    assert {lp.experts for lp in measured.layers} == {"reference"}
+
+
+def test_a_backend_that_cannot_prepare_is_recorded_as_failed_not_fatal(checkpoint):
+    broken = ExpertsBackendSpec(name="broken", factory="moe_runtime.backends.reference:Missing",
+                                priority=99, supports=[Support(formats=["bf16"],
+                                                               hardware=Hardware(devices=["cpu"]))])
+    reg = builtin_registry(broken)
+    problems = problems_from_checkpoint(read_checkpoint(checkpoint))
+    shapes = shapes_to_tune(problems, registry=reg, environment=CPU, tokens=[4],
+                            backends=["broken", "reference"])
+    assert [lp.experts for lp in shapes[0].plans] == ["broken", "reference"]
+    found = tune(shapes, [4], registry=reg, device="cpu",
+                 timer=FakeTimer({"reference": 10.0}))
+    by = {m.candidate["experts"]: m for m in found}
+    assert by["broken"].median_us is None and by["broken"].error.startswith(
+        "prepare: AttributeError")
+    assert by["reference"].median_us == 10.0
+
+
+def _fastest(cache: dict, tokens: int) -> str:
+    (section,) = cache["sections"]
+    rows = [m for m in section["measurements"] if m["tokens"] == tokens]
+    return min(rows, key=lambda m: m["median_us"])["candidate"]["experts"]
+
+
+def test_the_tune_command_writes_a_cache_that_the_next_plan_uses(checkpoint, tmp_path):
+    path = tmp_path / "tuning.json"
+    env = {"MOE_RUNTIME_TUNING_CACHE": str(tmp_path / "unused.json")}
+    r = run_cli("tune", str(checkpoint), "--tokens", "1,4", "--cache", str(path), "--repeats",
+                "3", "--warmup", "1", "--no-progress", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote 4 measurement(s) of cpu to {path}" in r.stdout
+    cache = json.loads(path.read_text())
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), "--max-tokens-per-rank",
+                "4", "--json", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert {lp["experts"] for lp in plan["layers"]} == {_fastest(cache, 4)}
+    assert all(lp["notes"][-1].startswith(f"chosen by measurement (cache {path}, measured ")
+               for lp in plan["layers"])
+    assert plan["notes"][0].startswith(f"tuning cache {path} (measured ")
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), env=env, timeout=300)
+    assert f"note: tuning cache {path} (measured " in r.stdout
+
+
+def test_plan_reads_the_default_location_and_is_unchanged_without_a_cache(checkpoint, tmp_path):
+    absent = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = run_cli("plan", str(checkpoint), "--json", env=absent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["notes"] == []
+    (tmp_path / "xdg" / "moe-runtime").mkdir(parents=True)
+    (tmp_path / "xdg" / "moe-runtime" / "tuning.json").write_text("{")
+    r = run_cli("plan", str(checkpoint), env=absent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "note: ignored tuning cache " in r.stdout and "malformed: not JSON" in r.stdout
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", "none", env=absent, timeout=300)
+    assert "note:" not in r.stdout
+
+
+def test_tune_with_nothing_to_time_says_so_and_writes_nothing(checkpoint, tmp_path):
+    path = tmp_path / "tuning.json"
+    r = run_cli("tune", str(checkpoint), "--backends", "triton", "--cache", str(path),
+                "--no-progress", timeout=300)
+    assert r.returncode == 1
+    assert "not tuned: none of the named backends runs it" in r.stdout
+    assert "nothing written" in r.stderr and not path.exists()
