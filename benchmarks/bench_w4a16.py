@@ -40,7 +40,7 @@ if "--dry-run" in sys.argv:
 import torch  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parents[1]
-for _p in (_ROOT / "plugins" / "triton", _ROOT / "benchmarks"):
+for _p in (_ROOT, _ROOT / "plugins" / "triton", _ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -276,10 +276,14 @@ def run_shape(name, spec, tokens, layouts, args, timer, device, dtype):
                "roofline_us": roof_us, "impls": {}}
         cands = {"today": (lambda s, st=None: ops.fused_moe_prepared(*s, pw, _stages=st), None)}
         for ln, ww in wws.items():
-            cfg = W.default_config(ww, N, K)
-            cands[f"w4a16 {ln}"] = (
-                lambda s, st=None, ww=ww, cfg=cfg: W.fused_moe_w4a16(*s, ww, config=cfg,
-                                                                     _stages=st), (ww, cfg))
+            cfgs = {ln: W.default_config(ww, N, K)}
+            if not cfgs[ln]["fused"] and N <= W.FUSED_MAX_TOKENS:
+                # where the one-launch path stops paying: it also runs above FUSED_MAX_PAIRS
+                cfgs[f"{ln}+fused"] = {**cfgs[ln], "fused": True}
+            for cn, cfg in cfgs.items():
+                cands[f"w4a16 {cn}"] = (
+                    lambda s, st=None, ww=ww, cfg=cfg: W.fused_moe_w4a16(*s, ww, config=cfg,
+                                                                         _stages=st), (ww, cfg))
         for label, (fn, extra) in cands.items():
             ent = {}
             try:

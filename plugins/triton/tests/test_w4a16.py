@@ -241,8 +241,11 @@ def test_benchmark_dry_run(tmp_path):
     assert bench.main(["--dry-run", "--tokens", "1", "16", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 16]
+    assert set(rows[0]["impls"]) == {"today", "w4a16 r32k64"}
+    # 16 tokens x 2 = 32 pairs: the grouped path by default, the one-launch path measured beside
+    assert set(rows[1]["impls"]) == {"today", "w4a16 r32k64", "w4a16 r32k64+fused"}
+    assert rows[1]["impls"]["w4a16 r32k64+fused"]["path"] == "fused"
     for r in rows:
-        assert set(r["impls"]) == {"today", "w4a16 r32k64"}
         assert all(v["ok"] and v["rel_err"] < bench.TOL for v in r["impls"].values())
     assert [r["impls"]["w4a16 r32k64"]["path"] for r in rows] == ["fused", "grouped"]
     assert [r["impls"]["w4a16 r32k64"]["launches"] for r in rows] == [1, 4]
