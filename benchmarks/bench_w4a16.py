@@ -416,12 +416,13 @@ def main(argv=None):
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "read_gbps": READ_GBPS,
             "layouts": layouts, "tokens": tokens}
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for name, spec in shapes.items():
         rows += run_shape(name, spec, tokens, layouts, args, timer, device, dtype)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = markdown(meta, rows)
-    (args.out / "results.md").write_text(md)
+        # after every shape: a run cut short by a time limit keeps what it measured
+        (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        md = markdown(meta, rows)
+        (args.out / "results.md").write_text(md)
     print(md)
     failed = [(r["shape"], r["tokens"], k) for r in rows for k, v in r["impls"].items()
               if not v.get("ok")]
