@@ -260,6 +260,9 @@ class CacheBatcher:
         self._rows: list[_Request] = []
         self._cache = None
         self._mask: torch.Tensor | None = None
+        # per row, on the device: its stop token ids (padded with -1) and tokens it may still make
+        self._stops = torch.full((0, 1), -1, dtype=torch.long, device=self._device)
+        self._left = torch.zeros(0, dtype=torch.long, device=self._device)
 
     # --- the manager-like interface (called from the event loop's thread)
 
@@ -313,7 +316,11 @@ class CacheBatcher:
             self._thread.join(timeout)
 
     def destroy(self) -> None:
+        self._drop_all()
+
+    def _drop_all(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
+        self._stops, self._left = self._stops[:0], self._left[:0]
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
@@ -350,7 +357,7 @@ class CacheBatcher:
                         log.error("generation step failed: %s", exc, exc_info=True)
                         for req in [*self._rows, *new]:
                             self._deliver(req, finished=True, error=f"{type(exc).__name__}: {exc}")
-                        self._rows, self._cache, self._mask = [], None, None
+                        self._drop_all()
         except BaseException as exc:  # pragma: no cover - the thread itself failed
             self.fatal_error = exc
             raise
@@ -443,6 +450,16 @@ class CacheBatcher:
 
     def _join(self, new: list[_Request], cache, mask: torch.Tensor) -> None:
         """Stack the new rows' cache onto the running batch's, left-padding the shorter one."""
+        width = max([len(r.eos) for r in new] + [self._stops.shape[1], 1])
+        stops = torch.full((len(new), width), -1, dtype=torch.long)
+        for i, r in enumerate(new):
+            stops[i, :len(r.eos)] = torch.tensor(sorted(r.eos), dtype=torch.long)
+        grown = torch.full((self._stops.shape[0], width), -1, dtype=torch.long,
+                           device=self._device)
+        grown[:, :self._stops.shape[1]] = self._stops
+        self._stops = torch.cat([grown, stops.to(self._device)])
+        self._left = torch.cat([self._left, torch.tensor([r.max_new_tokens for r in new],
+                                                         device=self._device)])
         if self._cache is None:
             self._rows, self._cache, self._mask = list(new), cache, mask
             return
@@ -467,15 +484,21 @@ class CacheBatcher:
         self._step_tokens(list(self._rows), logits)
 
     def _step_tokens(self, rows: list[_Request], logits: torch.Tensor) -> None:
-        """Pick each row's next token, deliver it, and drop the rows that finished."""
-        sampler_rows = self.sampler.rows_for([r.slot for r in rows])
-        tokens = self.sampler.sample(logits, sampler_rows).tolist()  # the step's one sync
+        """Pick each row's next token, deliver it, and drop the rows that finished.
+
+        ``rows`` are the last rows of the batch (the new ones after a prefill, all after a
+        decode step). Stops are found on the device: a stop token, or no tokens left.
+        """
+        tokens = self.sampler.sample(logits, self.sampler.rows_for([r.slot for r in rows]))
+        tail = slice(len(self._rows) - len(rows), None)
+        self._left[tail] -= 1
+        stopped = (tokens[:, None] == self._stops[tail]).any(dim=-1) | (self._left[tail] <= 0)
+        tokens, stopped = torch.stack([tokens, stopped.long()]).tolist()  # the step's one sync
         self.sampler.collect()
         done = set()
-        for r, token in zip(rows, tokens, strict=True):
+        for r, token, finished in zip(rows, tokens, stopped, strict=True):
             r.generated.append(int(token))
-            finished = token in r.eos or len(r.generated) >= r.max_new_tokens
-            self._deliver(r, finished=finished)
+            self._deliver(r, finished=bool(finished))
             if finished:
                 done.add(r.request_id)
         if done:
@@ -486,11 +509,12 @@ class CacheBatcher:
         if len(indices) == len(self._rows):
             return
         if not indices:
-            self._rows, self._cache, self._mask = [], None, None
+            self._drop_all()
             return
         index = torch.tensor(indices, device=self._device)
         self._cache.batch_select_indices(index)
         self._mask = self._mask[index]
+        self._stops, self._left = self._stops[index], self._left[index]
         self._rows = [self._rows[i] for i in indices]
         lead = int((self._mask.cumsum(-1) == 0).sum(-1).min())
         if lead:
