@@ -53,9 +53,12 @@ SHAPES = {
     "deepseek-v3": dict(H=7168, I=2048, E=256, K=8),
 }
 DRY_SHAPES = {"tiny": dict(H=64, I=32, E=8, K=2)}
-LAYOUTS = {  # name -> W4A16Layout fields (gate_up_rows, gate_up_cols, down_rows, down_cols)
+LAYOUTS = {  # name -> W4A16Layout(gate_up_rows, gate_up_cols, down_rows, down_cols, interleave)
     "r64k256": (64, 256, 128, 64),
     "r128k128": (128, 128, 128, 128),
+    # gate and up rows alternate in one 64-row tile: 32 intermediate columns per program, twice
+    # the programs of r64k256 (the one-launch path at 1 token)
+    "r64k256i": (64, 256, 128, 32, True),
 }
 DRY_LAYOUTS = {"r32k64": (32, 64, 64, 32)}
 
@@ -140,7 +143,8 @@ def _ours_first_gemm(stages, ww, cfg):
     lo = ww.layout
     for name, _fn, ret in stages:
         if name in ("gemm1", "fused") and hasattr(ret, "asm"):
-            return ret, 2 * lo.gate_up_rows * lo.gate_up_cols, cfg["num_warps"]
+            return (ret, (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols,
+                    cfg["num_warps"])
     return None
 
 
@@ -169,7 +173,7 @@ def compile_counts(spec, layouts, arch=90):
     out = {}
     for ln, lf in layouts.items():
         lo = W.W4A16Layout(*lf)
-        ni = -(-I // lo.gate_up_rows)
+        ni = -(-I // lo.inter_cols)
         nk1 = -(-H // lo.gate_up_cols)
         nh = -(-H // lo.down_rows)
         asm1 = W._use_asm(lo.gate_up_rows, lo.gate_up_cols, 4)
@@ -179,7 +183,8 @@ def compile_counts(spec, layouts, arch=90):
             "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
             "num_m_blocks": "i32", "topk": "i32", "stride_xm": "i32", "stride_im": "i32"},
             {"NI": ni, "NK": nk1, "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols, "BT": 16,
-             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1})
+             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
+             "IL": lo.interleave})
         g2 = comp(W.w4a16_gemm2_kernel, {
             "inter_ptr": "*fp16", "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
             "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
@@ -193,12 +198,14 @@ def compile_counts(spec, layouts, arch=90):
             "stride_om": "i32"},
             {"TOPK": K, "NI": ni, "NK1": nk1, "NH": nh, "HP": nh * lo.down_rows,
              "ROWS1": lo.gate_up_rows, "COLS1": lo.gate_up_cols, "ROWS2": lo.down_rows,
-             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2})
+             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2,
+             "IL": lo.interleave})
         ent = {}
-        for kname, k, wts in (("gemm1", g1, 2 * lo.gate_up_rows * lo.gate_up_cols),
+        per_step = (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols
+        for kname, k, wts in (("gemm1", g1, per_step),
                               ("gemm2", g2, lo.down_rows * lo.down_cols
                                * W.down_unroll(ni, lo.down_cols)),
-                              ("fused", fu, 2 * lo.gate_up_rows * lo.gate_up_cols)):
+                              ("fused", fu, per_step)):
             from triton.tools.disasm import get_sass
             loop = sass_inspect.innermost_loop(k.asm.get("sass") or get_sass(k.asm["cubin"]))
             ent[kname] = (round(len(loop) * 128 / wts, 2), k.metadata.shared,

@@ -64,12 +64,21 @@ _FORMATS = (F.NVFP4_W4A16, F.NVFP4_W4A4)  # stored formats whose codes this path
 class W4A16Layout:
     """Tile sizes fixed at load. ``gate_up_rows`` x ``gate_up_cols``: GEMM 1's tile (rows of the
     gate/up matrices x hidden columns); ``down_rows`` x ``down_cols``: GEMM 2's (hidden rows x
-    intermediate columns). The fused path needs ``down_cols == gate_up_rows``."""
+    intermediate columns). ``interleave``: a GEMM 1 tile holds gate and up rows alternately (one
+    MMA per K step yields both, for ``gate_up_rows / 2`` intermediate columns: twice the programs
+    of separate gate and up tiles at the same MMA size). The fused path needs ``down_cols`` equal
+    to the intermediate columns of a GEMM 1 tile (:attr:`inter_cols`)."""
 
     gate_up_rows: int = 64
     gate_up_cols: int = 256
     down_rows: int = 128
     down_cols: int = 64
+    interleave: bool = False
+
+    @property
+    def inter_cols(self) -> int:
+        """Intermediate columns one GEMM 1 tile computes."""
+        return self.gate_up_rows // 2 if self.interleave else self.gate_up_rows
 
     def check(self) -> None:
         for name in ("gate_up_rows", "gate_up_cols", "down_rows", "down_cols"):
@@ -82,7 +91,7 @@ class W4A16Layout:
 
     @property
     def fused(self) -> bool:
-        return self.down_cols == self.gate_up_rows
+        return self.down_cols == self.inter_cols
 
 
 def default_layout(H: int, I: int) -> W4A16Layout:
@@ -99,7 +108,8 @@ class W4A16Weights:
     """One layer's local experts in the tile layout (built once at load by :func:`prepare_w4a16`).
 
     ``w13 [E, 2 * nI, nH1, CHUNK1]`` uint8: row tile ``j`` of the gate (``j < nI``) or up
-    (``nI + j``) rows, K tile ``k``: the tile's codes then its block scales; ``w2 [E, nH2, nI2,
+    (``nI + j``) rows, K tile ``k``: the tile's codes then its block scales (interleaved layout:
+    ``[E, nI, nH1, CHUNK1]``, tile rows ``2i`` / ``2i + 1`` = gate / up row ``i``); ``w2 [E, nH2, nI2,
     CHUNK2]`` likewise for the down matrices. ``acc``/``count``: the fused path's self-clearing
     workspace (one layer's calls must not run concurrently on two streams)."""
 
@@ -119,7 +129,8 @@ class W4A16Weights:
     def padded(self) -> tuple[int, int, int]:
         """``(I padded, H padded for GEMM 1's K, H padded for GEMM 2's rows)``."""
         lo = self.layout
-        return (self.w13.shape[1] // 2 * lo.gate_up_rows, self.w13.shape[2] * lo.gate_up_cols,
+        ni = self.w13.shape[1] if lo.interleave else self.w13.shape[1] // 2
+        return (ni * lo.inter_cols, self.w13.shape[2] * lo.gate_up_cols,
                 self.w2.shape[1] * lo.down_rows)
 
 
@@ -147,6 +158,11 @@ def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows ``a[0], b[0], a[1], b[1], ...``."""
+    return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], a.shape[1])
+
+
 def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16Weights:
     """Repack a layer's NVFP4 experts (checkpoint layout: codes ``[E, rows, K/2]`` uint8, even
     column in the low nibble; e4m3 block scales ``[E, rows, K/16]``; float32 global scales) into
@@ -167,9 +183,10 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
     lo = layout or default_layout(H, I)
     lo.check()
     if not lo.fused:
-        raise ValueError(f"W4A16Layout.down_cols ({lo.down_cols}) must equal gate_up_rows "
-                         f"({lo.gate_up_rows}): GEMM 2's K tiles are GEMM 1's row tiles")
-    Ip = _cdiv(I, lo.gate_up_rows) * lo.gate_up_rows
+        raise ValueError(f"W4A16Layout.down_cols ({lo.down_cols}) must equal the intermediate "
+                         f"columns of a GEMM 1 tile ({lo.inter_cols}): GEMM 2's K tiles are GEMM "
+                         "1's output tiles")
+    Ip = _cdiv(I, lo.inter_cols) * lo.inter_cols
     Hp1 = _cdiv(H, lo.gate_up_cols) * lo.gate_up_cols
     Hp2 = _cdiv(H, lo.down_rows) * lo.down_rows
     dev = w.w13.device
@@ -177,10 +194,10 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
     b2 = w.w2_scale.view(torch.uint8) if w.w2_scale.dtype != torch.uint8 else w.w2_scale
     w13 = w2 = None
     for e in range(E):
-        gate = _pad(w.w13[e, :I], Ip, Hp1 // 2)
-        up = _pad(w.w13[e, I:], Ip, Hp1 // 2)
-        codes = ops.pack_nvfp4_for_kernels(torch.cat([gate, up]))
-        sc = torch.cat([_pad(b13[e, :I], Ip, Hp1 // 16), _pad(b13[e, I:], Ip, Hp1 // 16)])
+        join = _interleave if lo.interleave else (lambda a, b: torch.cat([a, b]))
+        codes = ops.pack_nvfp4_for_kernels(join(_pad(w.w13[e, :I], Ip, Hp1 // 2),
+                                                _pad(w.w13[e, I:], Ip, Hp1 // 2)))
+        sc = join(_pad(b13[e, :I], Ip, Hp1 // 16), _pad(b13[e, I:], Ip, Hp1 // 16))
         t13 = _tiles(codes, sc, lo.gate_up_rows, lo.gate_up_cols)
         t2 = _tiles(ops.pack_nvfp4_for_kernels(_pad(w.w2[e], Hp2, Ip // 2)),
                     _pad(b2[e], Hp2, Ip // 16), lo.down_rows, lo.down_cols)
@@ -252,16 +269,58 @@ def w4a16_decode_kernel(w_ptr, out_ptr, NR: tl.constexpr, NK: tl.constexpr, ROWS
     tl.store(out_ptr + base + r[:, None] * (NK * COLS) + c[None, :], v)
 
 
+@triton.jit
+def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
+             NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BT: tl.constexpr,
+             EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr):
+    """GEMM 1's K loop for output tile ``j`` of expert ``e64``: ``(gate, up)`` accumulators
+    ``[IC, BT]`` (``IC = ROWS / 2`` interleaved, else ``ROWS``) of ``W @ X^T``, ``X^T`` read from
+    ``xt_ptrs [COLS, BT]`` under ``col_mask [1, BT]``."""
+    CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
+    if IL:
+        off = (e64 * NI + j) * (NK * CHUNK)
+        acc = tl.zeros((ROWS, BT), dtype=tl.float32)
+        for kb in range(0, NK):
+            if EVEN_K:
+                xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
+            else:
+                xt = tl.load(xt_ptrs, mask=col_mask & (offs_k[:, None] < H - kb * COLS), other=0.0)
+            acc = tl.dot(_tile(w_ptr, off + kb * CHUNK, ROWS, COLS, USE_ASM), xt.to(tl.float16),
+                         acc)
+            xt_ptrs += COLS
+        # rows 2i / 2i + 1 -> gate / up of column i
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (ROWS // 2, 2, BT)), (0, 2, 1)))
+    else:
+        off_g = (e64 * (2 * NI) + j) * (NK * CHUNK)
+        off_u = off_g + NI * (NK * CHUNK)
+        acc_g = tl.zeros((ROWS, BT), dtype=tl.float32)
+        acc_u = tl.zeros((ROWS, BT), dtype=tl.float32)
+        for kb in range(0, NK):
+            if EVEN_K:
+                xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
+            else:
+                xt = tl.load(xt_ptrs, mask=col_mask & (offs_k[:, None] < H - kb * COLS), other=0.0)
+            xt = xt.to(tl.float16)
+            wg = _tile(w_ptr, off_g + kb * CHUNK, ROWS, COLS, USE_ASM)
+            wu = _tile(w_ptr, off_u + kb * CHUNK, ROWS, COLS, USE_ASM)
+            acc_g = tl.dot(wg, xt, acc_g)
+            acc_u = tl.dot(wu, xt, acc_u)
+            xt_ptrs += COLS
+    return acc_g, acc_u
+
+
 @triton.jit(do_not_specialize=["P", "num_m_blocks", "topk"])
 def w4a16_gemm1_kernel(
     x_ptr, w_ptr, s2_ptr, inter_ptr, sorted_ptr, bexp_ptr,
     P, H, num_m_blocks, topk, stride_xm, stride_im,
     NI: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     BT: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    IL: tl.constexpr = False,
 ):
     """``inter[row, n] = act(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for the sorted rows of
     block ``pid % num_m_blocks`` and the ``ROWS`` columns of tile ``pid // num_m_blocks``, as
-    ``W [ROWS, COLS] @ X^T [COLS, BT]``."""
+    ``W [ROWS, COLS] @ X^T [COLS, BT]`` (``IL``: one interleaved gate/up tile, ``ROWS / 2``
+    columns)."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
@@ -274,26 +333,13 @@ def w4a16_gemm1_kernel(
     tok = tl.where(valid, pair // topk, 0).to(tl.int64)
     offs_k = tl.arange(0, COLS)
     xt_ptrs = x_ptr + tok[None, :] * stride_xm + offs_k[:, None]
-    CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
     e64 = e.to(tl.int64)
-    off_g = (e64 * (2 * NI) + pid_n) * (NK * CHUNK)
-    off_u = off_g + NI * (NK * CHUNK)
-    acc_g = tl.zeros((ROWS, BT), dtype=tl.float32)
-    acc_u = tl.zeros((ROWS, BT), dtype=tl.float32)
-    for kb in range(0, NK):
-        if EVEN_K:
-            xt = tl.load(xt_ptrs, mask=valid[None, :], other=0.0)
-        else:
-            xt = tl.load(xt_ptrs, mask=valid[None, :] & (offs_k[:, None] < H - kb * COLS), other=0.0)
-        xt = xt.to(tl.float16)
-        wg = _tile(w_ptr, off_g + kb * CHUNK, ROWS, COLS, USE_ASM)
-        wu = _tile(w_ptr, off_u + kb * CHUNK, ROWS, COLS, USE_ASM)
-        acc_g = tl.dot(wg, xt, acc_g)
-        acc_u = tl.dot(wu, xt, acc_u)
-        xt_ptrs += COLS
+    acc_g, acc_u = _gate_up(w_ptr, xt_ptrs, offs_k, valid[None, :], e64, pid_n, H,
+                            NI, NK, ROWS, COLS, BT, EVEN_K, USE_ASM, IL)
     s2 = tl.load(s2_ptr + e) * 128.0
     h = _act_mul(acc_g * s2, acc_u * s2, ACT)
-    offs_n = pid_n * ROWS + tl.arange(0, ROWS)
+    IC: tl.constexpr = ROWS // 2 if IL else ROWS
+    offs_n = pid_n * IC + tl.arange(0, IC)
     # padding rows (pair == P) are written too (zeros): GEMM 2 reads whole blocks unmasked
     tl.store(inter_ptr + offs_t.to(tl.int64)[None, :] * stride_im + offs_n[:, None],
              h.to(inter_ptr.dtype.element_ty))
@@ -341,7 +387,7 @@ def w4a16_fused_kernel(
     E, H, stride_xm, stride_om,
     TOPK: tl.constexpr, NI: tl.constexpr, NK1: tl.constexpr, NH: tl.constexpr, HP: tl.constexpr,
     ROWS1: tl.constexpr, COLS1: tl.constexpr, ROWS2: tl.constexpr,
-    ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr = False,
 ):
     """Program ``(pair, j)``: ``h = act(gate_j . x) * (up_j . x)`` (``ROWS1`` intermediate
     columns), then ``acc[tok] += rw * down[:, j] @ h``; the last program of a token writes
@@ -354,32 +400,18 @@ def w4a16_fused_kernel(
         col = tl.arange(0, 16)
         offs_k = tl.arange(0, COLS1)
         xt_ptrs = x_ptr + t.to(tl.int64) * stride_xm + offs_k[:, None] + col[None, :] * 0
-        CHUNK1: tl.constexpr = ROWS1 * COLS1 // 2 + ROWS1 * COLS1 // 16
-        CHUNK2: tl.constexpr = ROWS2 * ROWS1 // 2 + ROWS2 * ROWS1 // 16
+        IC: tl.constexpr = ROWS1 // 2 if IL else ROWS1
+        CHUNK2: tl.constexpr = ROWS2 * IC // 2 + ROWS2 * IC // 16
         e64 = e.to(tl.int64)
-        off_g = (e64 * (2 * NI) + j) * (NK1 * CHUNK1)
-        off_u = off_g + NI * (NK1 * CHUNK1)
-        acc_g = tl.zeros((ROWS1, 16), dtype=tl.float32)
-        acc_u = tl.zeros((ROWS1, 16), dtype=tl.float32)
-        for kb in range(0, NK1):
-            if EVEN_K:
-                xt = tl.load(xt_ptrs, mask=col[None, :] == 0, other=0.0)
-            else:
-                xt = tl.load(xt_ptrs, mask=(col[None, :] == 0) & (offs_k[:, None] < H - kb * COLS1),
-                             other=0.0)
-            xt = xt.to(tl.float16)
-            wg = _tile(w13_ptr, off_g + kb * CHUNK1, ROWS1, COLS1, USE_ASM)
-            wu = _tile(w13_ptr, off_u + kb * CHUNK1, ROWS1, COLS1, USE_ASM)
-            acc_g = tl.dot(wg, xt, acc_g)
-            acc_u = tl.dot(wu, xt, acc_u)
-            xt_ptrs += COLS1
+        acc_g, acc_u = _gate_up(w13_ptr, xt_ptrs, offs_k, col[None, :] == 0, e64, j, H,
+                                NI, NK1, ROWS1, COLS1, 16, EVEN_K, USE_ASM, IL)
         s13 = tl.load(s13_ptr + e) * 128.0
         # columns 1..15 are act(0) * 0 = 0: h is GEMM 2's B operand as it stands
         h = _act_mul(acc_g * s13, acc_u * s13, ACT).to(tl.float16)
         coef = tl.load(topk_w_ptr + pair).to(tl.float32) * tl.load(s2_ptr + e) * 128.0
         r = tl.arange(0, ROWS2)
         for hb in range(0, NH):
-            w = _tile(w2_ptr, ((e64 * NH + hb) * NI + j) * CHUNK2, ROWS2, ROWS1, USE_ASM)
+            w = _tile(w2_ptr, ((e64 * NH + hb) * NI + j) * CHUNK2, ROWS2, IC, USE_ASM)
             part = tl.sum(tl.dot(w, h), axis=1) * coef
             tl.atomic_add(acc_ptr + t * HP + hb * ROWS2 + r, part, sem="relaxed")
     tl.debug_barrier()
@@ -452,8 +484,11 @@ def decode_w4a16(ww: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor]:
                                          USE_ASM=_use_asm(rows, cols, 4), num_warps=4)
         return out
     g = run(ww.w13, lo.gate_up_rows, lo.gate_up_cols)
-    Ip = g.shape[1] // 2
-    w13 = torch.cat([g[:, :I, :H], g[:, Ip:Ip + I, :H]], dim=1)
+    if lo.interleave:
+        w13 = torch.cat([g[:, 0::2][:, :I, :H], g[:, 1::2][:, :I, :H]], dim=1)
+    else:
+        Ip = g.shape[1] // 2
+        w13 = torch.cat([g[:, :I, :H], g[:, Ip:Ip + I, :H]], dim=1)
     w2 = run(ww.w2, lo.down_rows, lo.down_cols)[:, :H, :I]
     return w13, w2
 
@@ -494,7 +529,7 @@ def fused_moe_w4a16(
     topk_weights = topk_weights.contiguous()
     lo = ww.layout
     Ip, Hp1, Hp2 = ww.padded
-    NI, NK1 = Ip // lo.gate_up_rows, Hp1 // lo.gate_up_cols
+    NI, NK1 = Ip // lo.inter_cols, Hp1 // lo.gate_up_cols
     NH = Hp2 // lo.down_rows
     cfg = config or default_config(ww, N, topk)
     act = _ACT[ww.activation]
@@ -510,6 +545,7 @@ def fused_moe_w4a16(
             ww.acc, ww.count, out, E, H, hidden.stride(0), out.stride(0),
             TOPK=topk, NI=NI, NK1=NK1, NH=NH, HP=Hp2, ROWS1=lo.gate_up_rows,
             COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
+            IL=lo.interleave,
             **_opts(cfg)))
         return out
     bt = cfg.get("BLOCK_T", BLOCK_T)
@@ -526,6 +562,7 @@ def fused_moe_w4a16(
         P, H, nmb, topk, hidden.stride(0), inter.stride(0),
         NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
         EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
+        IL=lo.interleave,
         **_opts(cfg)))
     y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
     go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](

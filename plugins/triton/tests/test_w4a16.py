@@ -73,6 +73,7 @@ def _bits(t):
     (64, 32, None),  # default layout for the shape
     (96, 48, W.W4A16Layout(32, 64, 64, 32)),  # padded: H to 128 (both GEMMs), I to 64
     (64, 64, W.W4A16Layout(32, 32, 32, 32)),
+    (96, 48, W.W4A16Layout(64, 64, 64, 32, interleave=True)),  # gate/up rows alternate
 ])
 def test_decode_bit_identical_to_reference_dequantization(H, I, layout, device):
     w = random_code_weights(2, H, I, seed=H + I, device=device)
@@ -166,12 +167,14 @@ def test_grouped_random_routing_and_a_crowded_expert(device):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_padded_sizes_and_gelu(fused, device):
-    """H = 80 and I = 48 are not multiples of the tiles (padding with zero codes and scales)."""
+@pytest.mark.parametrize("interleave", [False, True])
+def test_padded_sizes_and_gelu(fused, interleave, device):
+    """H = 80 and I = 48 are not multiples of the tiles (padding with zero codes and scales);
+    with gate and up rows interleaved in 64-row tiles too."""
     w = make_weights(3, 80, 48, activation="gelu", seed=6, device=device)
     ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
-    out, ref, _ = _run(w, ids, fused=fused, seed=6, device=device,
-                       layout=W.W4A16Layout(32, 64, 64, 32))
+    layout = W.W4A16Layout(64 if interleave else 32, 64, 64, 32, interleave=interleave)
+    out, ref, _ = _run(w, ids, fused=fused, seed=6, device=device, layout=layout)
     assert rel_err(out, ref) < TOL
 
 
@@ -211,6 +214,8 @@ def test_errors_name_the_problem():
         W.prepare_w4a16(bf16)
     with pytest.raises(ValueError, match="down_cols"):
         W.prepare_w4a16(w, W.W4A16Layout(64, 64, 64, 32))
+    with pytest.raises(ValueError, match="intermediate columns of a GEMM 1 tile \\(32\\)"):
+        W.prepare_w4a16(w, W.W4A16Layout(64, 64, 64, 64, interleave=True))
     with pytest.raises(ValueError, match="power of two"):
         W.prepare_w4a16(w, W.W4A16Layout(48, 64, 64, 48))
     ww = W.prepare_w4a16(w)
