@@ -12,10 +12,12 @@ Issue 20, step 3 (the Marlin recipe, as far as Triton allows):
   codes and zero scales (value 0).
 - **Swap-AB**: the weight tile is the MMA's M operand, ``tl.dot(W [ROWS, COLS], X^T [COLS, T])``
   with the tokens of one expert (``T = 16`` rows of the routing's sorted blocks at 1-128 tokens,
-  up to 64 for larger batches) as N. Small
-  token counts then waste no MMA rows on padding tokens, and on Hopper the decoded tile can stay
-  in registers as the warpgroup MMA's A operand (B, the activations, is what goes through shared
-  memory).
+  up to 64 for larger batches) as N: small token counts waste no MMA rows on padding tokens, and
+  64-row weight tiles make Hopper's warpgroup MMA (``wgmma``, M = 64) the instruction. (The
+  decoded tile still goes through shared memory on its way into the A operand: Triton 3.9's sm_90
+  code has STS + LDSM for it, about 0.27 SASS instructions per weight; ``benchmarks/bench_w4a16.py
+  --sass`` counts.) ``W4A16Layout.interleave`` alternates gate and up rows in one tile (one MMA
+  per K step for both, twice the programs per intermediate size).
 - **Grid over (row block of one expert, N tile)**, the row blocks of one N tile adjacent so that
   the blocks of one expert read a weight tile at the same time (L2), with ``num_stages`` K steps
   in flight: a GEMM 1 step of the default layout is 2 x (64 x 256 / 2 + 64 x 256 / 16) = 18 KB.
