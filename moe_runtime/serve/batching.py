@@ -62,8 +62,8 @@ class BatchingChoice:
 class GraphChoice:
     """Whether the decode steps replay CUDA graphs, and why.
 
-    :param max_tokens: the largest forward a graph captures (decode: one token per request;
-        transformers pads a decode batch to the next power of two, at most this).
+    :param max_tokens: the largest forward a graph captures (decode: one token per request,
+        padded; at most this).
     """
 
     on: bool
@@ -113,8 +113,10 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                                   "graph can replay a decode step")
     if requested is False:
         return GraphChoice(False, "turned off by the engine's cuda_graphs=False")
-    return GraphChoice(True, f"decode batches captured at powers of two up to {max_tokens} "
-                             f"tokens ({bound_from})", max_tokens)
+    return GraphChoice(True, f"decode batches replayed from graphs captured per padded size "
+                             f"(powers of two on flash attention's decode path, else multiples "
+                             f"of 8), at most {max_tokens} tokens ({bound_from}); prefill eager",
+                       max_tokens)
 
 
 def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:

@@ -209,6 +209,9 @@ class Engine:
             max_requests_per_batch=self.batch_cap,
             allow_block_sharing=False,
             use_cuda_graph=self.batching.graphs.on,
+            # without flash attention's decode path decode runs the varlen path, padded to this
+            # many query tokens (transformers' default, 64, pads one request to 64 tokens)
+            q_padding_interval_size=DECODE_PADDING if self.batching.graphs.on else 0,
             # synchronous: the sampler's per-step bookkeeping (rows, log-probabilities) follows
             # the steps in order
             use_async_batching=False,
@@ -227,9 +230,13 @@ class Engine:
 
         router.deliver_batch = deliver_after_collect
         if self.batching.graphs.on:
+            # transformers 5.14-5.17 build the batch processor on the batching thread unless it
+            # exists; made here, its runner replays graphs for decode batches only
+            manager.batch_processor = manager._create_batch_processor()
+            _graphs_for_decode_only(manager.batch_processor)
             start = time.perf_counter()
-            manager.warmup()  # captures the decode sizes before the first request
-            log.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
+            manager.warmup()  # captures the decode sizes of flash attention's decode path
+            log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
         manager.start()
         return manager
 
@@ -465,6 +472,27 @@ class Engine:
             last = delta
         assert last is not None
         return attrs.evolve(last, text="".join(parts))
+
+
+DECODE_PADDING = 8  # query tokens a graphed decode batch is padded to a multiple of
+
+
+def _graphs_for_decode_only(processor) -> None:
+    """Replay CUDA graphs only for batches of one query token per request (decode steps).
+
+    Without flash attention's decode path, transformers runs decode steps on its varlen path and
+    would capture a graph for every padded prefill shape too: each one a capture stall on first
+    use and graph-pool memory. Prefill chunks run eagerly instead.
+    """
+    runner, io = processor.model_runner, processor.inputs_and_outputs
+    choose = runner._get_forward_fn
+
+    def get_forward_fn(use_block_table):
+        forward, graphed = choose(use_block_table)
+        decode = use_block_table or io.total_seqlen_q == io.num_request_in_batch
+        return forward, graphed and decode
+
+    runner._get_forward_fn = get_forward_fn
 
 
 def _fatal_error(manager):

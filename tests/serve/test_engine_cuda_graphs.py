@@ -19,7 +19,7 @@ def test_graphs_stay_off_on_a_cpu_and_say_why():
     assert not choose_cuda_graphs("cuda:0", DYNAMIC, 8, "max_batch_size").on
     assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "x", requested=False).on
     on = choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "the plan's deployment max_tokens_per_rank")
-    assert on.on and on.max_tokens == 8 and "up to 8 tokens" in on.describe()
+    assert on.on and on.max_tokens == 8 and "at most 8 tokens" in on.describe()
 
 
 def test_the_token_bound_is_the_smallest_the_plan_declares():
@@ -108,6 +108,8 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
             if graphs is None:  # transformers keeps its captured graphs by padded shape
                 captured = engine._manager.batch_processor.inputs_and_outputs.graphs._storage
                 assert captured, "no graph was captured"
+                # decode batches only (6 requests, padded to 8): no prefill shape was captured
+                assert all(key[0] <= 8 for key in captured), sorted(captured)
         finally:
             engine.shutdown()
     assert all(len(t) == 24 for t in tokens[False])
