@@ -87,8 +87,9 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
-               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        # any integer: seeds are taken modulo 2**64 (n > 1 choices add their index to one)
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

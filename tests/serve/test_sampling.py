@@ -219,12 +219,19 @@ def test_rows_return_to_the_pool_and_running_out_is_an_error():
     ("min_p", 1.5, "min_p must lie in [0, 1]"),
     ("repetition_penalty", 0.0, "repetition_penalty must be above 0"),
     ("logprobs", 21, "logprobs must be None or an integer in [0, 20]"),
-    ("seed", 2**64, "seed must be an integer"),
+    ("seed", 1.5, "seed must be an integer or None"),
 ])
 def test_bad_parameters_are_refused_by_name(field, value, words):
     with pytest.raises(SamplingError) as err:
         SamplingParams(**{field: value})
     assert words in str(err.value)
+
+
+def test_seeds_are_taken_modulo_2_to_the_64():
+    logits = _logits(6, seed=4)
+    wrapped, plain = (_run_alone(SamplingParams(temperature=1.0, seed=s), logits)
+                      for s in (2**64 + 5, 5))
+    assert wrapped == plain
 
 
 def test_logits_of_another_shape_are_refused():
