@@ -30,6 +30,10 @@ measured requests), GPU memory (each side's weights, and the most the process he
 while that side ran: KV cache, activations, graphs), and how many requests produced the same
 greedy tokens on both sides (in-process).
 
+With ``--profile-clients N`` each side also runs one eager wave of ``N`` clients (CUDA graphs
+off) whose steps are timed by part: attention and MoE module forwards, the rest of the forward,
+the sampler (CUDA events on a GPU), and the host loop (the step's wall time less those).
+
 Writes ``bench_serve.json`` (everything, raw per-repetition numbers included), ``bench_serve.md``
 (the table) and ``bench_serve.png`` (output tokens/s and TPOT against clients, every side and
 mode) under ``--out``.
@@ -272,6 +276,114 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
     return out
 
 
+class _Spans:
+    """Times of module forwards by kind (attention, MoE, the whole model) and of the sampler,
+    grouped by engine step; CUDA events on a GPU, the wall clock on a CPU."""
+
+    def __init__(self, model, sampler) -> None:
+        import torch
+
+        self.cuda = next(model.parameters()).is_cuda
+        self.steps: list[dict[str, list]] = []
+        self.step_starts: list[float] = []
+        self._handles = []
+        kinds = {"attention": [], "moe": [], "forward": [model]}
+        for name, module in model.named_modules():
+            if name.endswith(".self_attn"):
+                kinds["attention"].append(module)
+            elif name.endswith(".mlp") and hasattr(module, "experts"):
+                kinds["moe"].append(module)
+        for kind, modules in kinds.items():
+            for module in modules:
+                self._handles.append(module.register_forward_pre_hook(self._pre(kind)))
+                self._handles.append(module.register_forward_hook(self._post(kind)))
+        self._sampler = sampler
+        self._sample, self._rows_for = sampler.sample, sampler.rows_for
+
+        def rows_for(keys):
+            self.step_starts.append(time.perf_counter())
+            self.steps.append({"attention": [], "moe": [], "forward": [], "sampler": []})
+            return self._rows_for(keys)
+
+        def sample(logits, rows):
+            start = self._mark()
+            tokens = self._sample(logits, rows)
+            if self.steps:
+                self.steps[-1]["sampler"].append((start, self._mark()))
+            return tokens
+
+        sampler.rows_for, sampler.sample = rows_for, sample
+        self._torch = torch
+        self._open: dict[int, object] = {}
+
+    def _mark(self):
+        if self.cuda:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _pre(self, kind):
+        def hook(module, args):
+            self._open[id(module)] = self._mark()
+        return hook
+
+    def _post(self, kind):
+        def hook(module, args, output):
+            start = self._open.pop(id(module), None)
+            if start is not None and self.steps:
+                self.steps[-1][kind].append((start, self._mark()))
+        return hook
+
+    def close(self) -> dict:
+        """Medians over steps (ms per step): each kind's total, and the wall time between steps."""
+        for h in self._handles:
+            h.remove()
+        self._sampler.rows_for, self._sampler.sample = self._rows_for, self._sample
+        if self.cuda:
+            self._torch.cuda.synchronize()
+
+        def ms(a, b):
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+        totals = {k: [sum(ms(a, b) for a, b in step[k]) for step in self.steps]
+                  for k in ("attention", "moe", "forward", "sampler")}
+        gaps = [(b - a) * 1e3 for a, b in zip(self.step_starts, self.step_starts[1:])]
+        out = {f"{k}_ms": _median(v) for k, v in totals.items()}
+        out["step_ms"] = _median(gaps)
+        out["steps"] = len(self.steps)
+        return out
+
+
+def _profile_side(loaded, prompts, args, clients: int) -> dict:
+    """One eager wave of ``clients`` requests (graphs off: their inside cannot be timed), with
+    the time of every step split into attention, MoE, the rest of the forward, the sampler and
+    what is left (the host loop: scheduling, inputs, outputs)."""
+    from moe_runtime.serve.engine import Engine
+
+    engine = Engine(loaded, max_batch_size=args.max_batch_size,
+                    max_model_len=args.prompt_len + args.max_tokens + 1, cuda_graphs=False)
+    if args.ignore_eos:
+        engine.eos_token_ids = []
+    engine.start()
+    try:
+        asyncio.run(_wave(engine, prompts, clients=clients, per_client=1, max_tokens=4))
+        spans = _Spans(loaded.model, engine.sampler)
+        try:
+            asyncio.run(_wave(engine, prompts, clients=clients, per_client=1,
+                              max_tokens=args.max_tokens))
+        finally:
+            out = spans.close()
+    finally:
+        engine.shutdown()
+    known = [out[k] for k in ("forward_ms", "sampler_ms", "step_ms")]
+    if all(v is not None for v in known):
+        out["other_forward_ms"] = out["forward_ms"] - out["attention_ms"] - out["moe_ms"]
+        out["host_ms"] = out["step_ms"] - out["forward_ms"] - out["sampler_ms"]
+    out["clients"] = clients
+    return out
+
+
 # ----------------------------------------------------------------------------------- reporting
 
 
@@ -369,6 +481,21 @@ def render_markdown(report: dict) -> str:
                     f"{_fmt(a['out_tok_per_s'])} | {_fmt(a['ttft_p50_s'], 1e3)} | "
                     f"{_fmt(a['ttft_p90_s'], 1e3)} | {_fmt(a['tpot_p50_s'], 1e3)} | "
                     f"{_fmt(a['tpot_p90_s'], 1e3)} | {ratio} |")
+    prof = report.get("profile") or {}
+    if prof:
+        c = next(iter(prof.values()))["clients"]
+        lines += ["", f"One eager decode step at {c} clients (CUDA graphs off, medians over "
+                      "steps; the host loop is the step's wall time less the model forward and "
+                      "the sampler):", "",
+                  "| side | step (ms) | attention (ms) | MoE (ms) | rest of forward (ms) "
+                  "| sampler (ms) | host loop (ms) |", "| --- | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: |"]
+        for side, p in prof.items():
+            lines.append(f"| {side} | {_fmt(p['step_ms'], digits=2)} | "
+                         f"{_fmt(p['attention_ms'], digits=2)} | {_fmt(p['moe_ms'], digits=2)} | "
+                         f"{_fmt(p.get('other_forward_ms'), digits=2)} | "
+                         f"{_fmt(p['sampler_ms'], digits=2)} | "
+                         f"{_fmt(p.get('host_ms'), digits=2)} |")
     eq = report.get("greedy_agreement")
     if eq:
         lines += ["", f"Greedy outputs identical on both sides: {eq['identical']}/{eq['compared']} "
@@ -479,6 +606,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"which sides to run (default {','.join(SIDES)})")
     p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
                    help="pin moe-runtime's experts backend (default: the planner's choice)")
+    p.add_argument("--profile-clients", type=int, default=None, metavar="N",
+                   help="also time one eager wave of N clients per side, step by step: "
+                        "attention, MoE, rest of the forward, sampler, host loop")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore it, fixed output lengths)")
     p.add_argument("--quick", action="store_true",
@@ -599,6 +729,8 @@ def main(argv=None) -> int:
         "side_info": info,
         "results": results,
         "greedy_agreement": _agreement(raw, args.side_list),
+        "profile": ({side: _profile_side(loaded[side], prompts, args, args.profile_clients)
+                     for side in args.side_list} if args.profile_clients else None),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
