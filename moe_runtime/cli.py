@@ -132,6 +132,7 @@ def add_plan_arguments(p, *, serve: bool = False) -> None:
                    help="largest batch per rank the deployment sends (default 4096)")
     p.add_argument("--no-degradation", action="store_true",
                    help="refuse declared degradations (e.g. NVFP4 W4A4 run as W4A16)")
+    add_tuning_cache_argument(p)
 
 
 def deployment_from_args(args):
@@ -421,7 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     add_plan_arguments(p)
     add_check_arguments(p)
-    add_tuning_cache_argument(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
 

@@ -367,13 +367,15 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
     try:
         loaded = load_for_serving(
             model_dir, device=device, deployment=deployment_from_args(args), progress=True,
-            dtype=args.dtype,
+            dtype=args.dtype, tuning_cache=args.tuning_cache,
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
             generation_config=source.generation_config,
             # the command line's -p no:NAME and kin (moe-runtime serve); else the environment
             plugin_options=getattr(args, "plugin_options", None))
     except LoadError as exc:
         raise _StartupFailure(_grouped(str(exc))) from None
+    for note in getattr(loaded.plan, "notes", ()):  # the tuning cache read, or why ignored
+        log.info("plan: %s", note)
     if loaded.generation_defaults:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(loaded.generation_defaults.items()))
         log.info("sampling defaults from generation_config.json for requests that omit them: %s",

@@ -51,6 +51,7 @@ def load_for_serving(
     plugin_options=None,
     deployment=None,
     max_tokens_per_forward: int | None = None,
+    tuning_cache: str | None = None,
 ):
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -70,7 +71,8 @@ def load_for_serving(
     defaults). ``plugin_options`` (a :class:`~moe_runtime.plugin.manager.PluginOptions`, the
     command line's): how plugins load, for the plan and the model alike (default: the
     environment variables). ``max_tokens_per_forward``: the engine's bound on the tokens of one
-    forward (see ``load_model``).
+    forward (see ``load_model``). ``tuning_cache``: ``plan``'s ``--tuning-cache`` (a path,
+    ``"none"``, or ``None``: the default location when it exists).
     """
     import attrs
 
@@ -101,8 +103,8 @@ def load_for_serving(
         # Check the folder, then plan (no transformers import, no weights): in seconds, so a
         # refused pin fails before the model is built.
         require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size)
-        plan = None if transformers_experts else plan_for_serving(path, device, deployment,
-                                                                  registry)
+        plan = None if transformers_experts else plan_for_serving(
+            path, device, deployment, registry, tuning_cache=tuning_cache)
         from tqdm.auto import tqdm
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -131,17 +133,22 @@ def load_for_serving(
                         generation_defaults=defaults)
 
 
-def plan_for_serving(path: Path, device: str, deployment, registry):
-    """The one plan of ``path`` for ``device`` (probed) and ``deployment``, or the planner's
-    :class:`~moe_runtime.planner.PlanError`."""
+def plan_for_serving(path: Path, device: str, deployment, registry, *,
+                     tuning_cache: str | None = None):
+    """The one plan of ``path`` for ``device`` (probed) and ``deployment``, with the tuning
+    cache ``plan`` would read, or the planner's :class:`~moe_runtime.planner.PlanError`."""
+    import argparse
+
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.environment import Environment
     from moe_runtime.planner import plan_model
+    from moe_runtime.tuning.command import tuning_for
 
     env = Environment.probe(device=device, modules=registry.required_modules())
+    tuning = tuning_for(argparse.Namespace(tuning_cache=tuning_cache), env, registry)
     return plan_model(problems_from_checkpoint(read_checkpoint(path)), registry=registry,
-                      environment=env, deployment=deployment)
+                      environment=env, deployment=deployment, tuning=tuning)
 
 
 def _load_tokenizer(auto, folder: Path, *, given: bool):

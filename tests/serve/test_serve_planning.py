@@ -13,7 +13,7 @@ import pytest
 from moe_runtime.serve.command import add_serve_arguments
 
 PLANNING = ("--moe-runner-backend", "--moe-a2a-backend", "--moe-a2a-payload", "--target-device",
-            "--ep-size", "--max-tokens-per-rank", "--no-degradation")
+            "--ep-size", "--max-tokens-per-rank", "--no-degradation", "--tuning-cache")
 
 
 def _serve_args(*argv):
@@ -63,7 +63,7 @@ def test_serve_plans_once_and_serves_what_plan_decides(model_dir, monkeypatch, c
     from moe_runtime.integration.transformers import LoadedModel
     from moe_runtime.serve.loading import load_for_serving
 
-    argv = ["--no-degradation", "--max-tokens-per-rank", "64"]
+    argv = ["--no-degradation", "--max-tokens-per-rank", "64", "--tuning-cache", "none"]
     assert main(["plan", str(model_dir), "--target-device", "cpu", "--json", *argv]) == 0
     planned = json.loads(capsys.readouterr().out)
     calls = []
@@ -74,8 +74,10 @@ def test_serve_plans_once_and_serves_what_plan_decides(model_dir, monkeypatch, c
         return real(*a, **k)
 
     monkeypatch.setattr(planner, "plan_model", counting)
+    args = _serve_args(*argv)
     loaded = load_for_serving(model_dir, dtype="float32", progress=False,
-                              deployment=deployment_from_args(_serve_args(*argv)))
+                              deployment=deployment_from_args(args),
+                              tuning_cache=args.tuning_cache)
     assert len(calls) == 1, "serve planned the checkpoint more than once"
     import moe_runtime.serve
 
@@ -94,6 +96,16 @@ def test_serve_plans_once_and_serves_what_plan_decides(model_dir, monkeypatch, c
     executors = [m._moe_runtime_executor for m in loaded.model.modules()
                  if hasattr(m, "_moe_runtime_executor")]
     assert [ex.plan for ex in executors] == list(loaded.plan.layers)
+
+
+def test_the_tuning_cache_option_reaches_the_plan(model_dir, tmp_path):
+    from moe_runtime.serve.loading import load_for_serving
+
+    missing = tmp_path / "no-such-tuning.json"
+    args = _serve_args("--tuning-cache", str(missing))
+    loaded = load_for_serving(model_dir, dtype="float32", progress=False,
+                              tuning_cache=args.tuning_cache)
+    assert any(f"tuning cache {missing} does not exist" in n for n in loaded.plan.notes)
 
 
 def test_a_payload_pin_reaches_the_plan(model_dir):
