@@ -1,46 +1,10 @@
 """NVFP4 experts as W4A16 for 1-128 tokens: weights repacked at load into tiles, swap-AB GEMMs.
 
-Issue 20, step 3 (the Marlin recipe, as far as Triton allows):
-
-- **Load-time repack** (:func:`prepare_w4a16`): each matrix is cut into tiles of ``ROWS x COLS``
-  elements (``W4A16Layout``); a tile is one contiguous chunk of ``ROWS * COLS / 2`` bytes of E2M1
-  codes, 8 codes per 32-bit word in the bit layout of ``kernels.NVFP4_GROUP_FIELDS`` (a
-  shift/mask sequence gives float16 pairs of adjacent columns: 11 integer operations per 8
-  codes), followed by the tile's ``ROWS * COLS / 16`` e4m3 block-scale bytes. A program's loads
-  of one K step are two contiguous runs (no partial sectors, no per-row address arithmetic).
-  Gate and up rows are padded apart so that a row tile never straddles them; padding holds zero
-  codes and zero scales (value 0).
-- **Swap-AB**: the weight tile is the MMA's M operand, ``tl.dot(W [ROWS, COLS], X^T [COLS, T])``
-  with the tokens of one expert (``T = 16`` rows of the routing's sorted blocks at 1-128 tokens,
-  up to 64 for larger batches) as N: small token counts waste no MMA rows on padding tokens, and
-  64-row weight tiles make Hopper's warpgroup MMA (``wgmma``, M = 64) the instruction. (The
-  decoded tile still goes through shared memory on its way into the A operand: Triton 3.9's sm_90
-  code has STS + LDSM for it, about 0.27 SASS instructions per weight; ``benchmarks/bench_w4a16.py
-  --sass`` counts.) ``W4A16Layout.interleave`` alternates gate and up rows in one tile (one MMA
-  per K step for both, twice the programs per intermediate size).
-- **Grid over (row block of one expert, N tile)**, the row blocks of one N tile adjacent so that
-  the blocks of one expert read a weight tile at the same time (L2), with ``num_stages`` K steps
-  in flight: a GEMM 1 step of the default layout is 2 x (64 x 256 / 2 + 64 x 256 / 16) = 18 KB.
-- **Few pairs** (:data:`FUSED_MAX_PAIRS`): one launch. Program ``(pair, j)`` computes the
-  intermediate slice ``j`` of its pair (gate/up rows ``j``, SiLU-and-mul) and multiplies it at once
-  into the down projection's columns ``j`` (split K of GEMM 2 along the intermediate), adding the
-  routing-weighted result into a float32 row of the token with atomics; the program that arrives
-  last for a token (a counter per token) converts the row into the output and leaves the row and
-  the counter zeroed for the next call. The sums' order varies between runs (float32 atomics).
-
-Exactness: the decoded MMA operand is ``e2m1(code) * block_scale * 2**-7`` in float16, which is
-exact for every code and e4m3 scale (at most 6 significant bits, at least ``2**-17``): bit-identical
-to ``moe_runtime.quant.dequantize_nvfp4(codes, block_scales, 2**-7, torch.float16)``
-(:func:`decode_w4a16` exposes it for tests). The float32 global scale (times ``2**7``) multiplies the
-float32 accumulator once per output, so the product equals the reference's ``e2m1 * block_scale *
-global_scale`` up to the accumulation's rounding. Folding the global scale into the per-block
-float16 multiply instead would round every weight a second time (``round16(e2m1 * round16(bs *
-gs))``), which is not bit-identical, so it is folded into the epilogue's scale.
-
-Activations are float16 in the MMA (bfloat16 inputs are converted in the kernel, as on the existing
-NVFP4 path); outputs are in the input's dtype. Routing of the grouped path is ``ops.route_into``;
-its combine is ``kernels.moe_finalize_kernel``. Nothing is sized from data on the host: CUDA-graph
-capturable.
+The issue-20 tile-layout path (load-time repack by :func:`prepare_w4a16`, weights as the MMA's M
+operand, a one-launch path for few pairs), exact: the decoded operand equals the reference
+dequantization bit for bit (:func:`decode_w4a16`). Not wired into the backend: its first H200 run
+was 0.47-0.69x of the default path (benchmarks/RESULTS.md). Design notes: the plugin README,
+"Module notes".
 """
 
 from __future__ import annotations
