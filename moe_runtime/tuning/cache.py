@@ -6,12 +6,15 @@ device (:attr:`Environment.described`), the environment fingerprint
 distribution, version and status, as plan agreement compares them). Reading a cache for a plan:
 
 1. no file: nothing (a cache named explicitly that does not exist gets a note);
-2. not JSON, another schema, or a field of the wrong type: ignored, the note names what;
+2. not JSON, another schema, or a field of the wrong type: ignored, the note names what (an
+   older schema of moe-runtime's own is *outdated*: its measurements were taken another way);
 3. the section whose key equals this run's is used; failing that, one of the same device and
    environment fingerprint makes the cache *stale* (the note names the first software field that
    differs), and none makes it *foreign* (the note names the devices it holds);
 4. :meth:`TuningCache.fastest` then picks, among plans the planner found equally exact, the one
-   measured fastest at the deployment's token bucket, or says why it cannot.
+   measured fastest at the deployment's token bucket, or says why it cannot. Each measurement
+   says how it was timed (:data:`GRAPH`, or ``"eager: <why>"``), and candidates are compared
+   only by times taken the same way (:meth:`TuningCache.fastest`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ if TYPE_CHECKING:  # records only: reading a cache imports no torch
     from moe_runtime.environment import Environment
     from moe_runtime.planner import Deployment, LayerPlan
 
-SCHEMA = "moe-runtime-tuning/1"
+SCHEMA = "moe-runtime-tuning/2"
+#: older schemas of this package, and why their measurements cannot be compared with today's
+OUTDATED_SCHEMAS = {
+    "moe-runtime-tuning/1": "every call was timed eagerly (host launch work included, no CUDA-graph "
+                            "replays)",
+}
+GRAPH = "graph"  # Measurement.timed of a CUDA-graph replay; eager ones are "eager: <why>"
 ENV_VAR = "MOE_RUNTIME_TUNING_CACHE"  # a path; "" or "none" switches the default cache off
 PROBLEM_FIELDS = ("format", "activation", "num_experts", "top_k", "hidden_size",
                   "intermediate_size", "dtype", "ep_size")
@@ -37,6 +46,10 @@ CANDIDATE_FIELDS = ("experts", "runs_as", "comm", "layout", "payload")
 
 class CacheFormatError(ValueError):
     """A tuning cache is not of :data:`SCHEMA`; the message names the field and what it expects."""
+
+
+class OutdatedCacheError(CacheFormatError):
+    """A tuning cache of an older schema of moe-runtime (:data:`OUTDATED_SCHEMAS`)."""
 
 
 # ------------------------------------------------------------------------------------- keys
@@ -87,10 +100,20 @@ def default_cache_path(environ=None) -> Path | None:
 # ----------------------------------------------------------------------------------- schema
 
 
+def _check_timed(instance, attribute, value: str) -> None:
+    if not (value == GRAPH or value.startswith("eager: ")):
+        raise ValueError(f"Measurement.timed is {value!r}, expected {GRAPH!r} or 'eager: <why>'")
+
+
 @attrs.frozen
 class Measurement:
     """One timed (layer shape, candidate, tokens): the median in microseconds, or the error that
-    stopped it."""
+    stopped it.
+
+    ``timed`` says how ``median_us`` was taken: :data:`GRAPH` (replays of a CUDA graph captured
+    from the call), or ``"eager: <why not a graph>"`` (the call from Python). ``eager_us`` is
+    the eager median, also taken when ``median_us`` is a graph replay's, so that a candidate
+    that could not be captured can be compared with it like with like."""
 
     problem: dict
     candidate: dict
@@ -100,6 +123,18 @@ class Measurement:
     timer: str
     measured_at: str
     error: str | None = None
+    timed: str = attrs.field(default="eager: no CUDA graph tried", validator=_check_timed)
+    eager_us: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.eager_us is None and self.timed != GRAPH and self.median_us is not None:
+            object.__setattr__(self, "eager_us", self.median_us)
+        if self.timed == GRAPH and self.median_us is not None and self.eager_us is None:
+            raise ValueError("a graph-timed Measurement needs eager_us, the eager median")
+
+    @property
+    def graphed(self) -> bool:
+        return self.timed == GRAPH
 
     @property
     def where(self) -> tuple:
@@ -133,9 +168,19 @@ def parse_measurement(data, where: str) -> Measurement:
     if tokens < 1 or (median is not None and not median > 0):
         raise CacheFormatError(f"{where}: tokens must be at least 1 and median_us positive, got "
                                f"tokens {tokens}, median_us {median}")
+    timed = _need(data, "timed", str, where)
+    if not (timed == GRAPH or timed.startswith("eager: ")):
+        raise CacheFormatError(f"{where}.timed is {timed!r}, expected {GRAPH!r} or "
+                               "'eager: <why>'")
+    eager = data.get("eager_us")
+    if median is not None and (timed == GRAPH or eager is not None):
+        eager = _need(data, "eager_us", (int, float), where)
+        if not eager > 0:
+            raise CacheFormatError(f"{where}.eager_us must be positive, got {eager}")
     return Measurement(problem, candidate, tokens, None if median is None else float(median),
                        _need(data, "repeats", int, where), _need(data, "timer", str, where),
-                       _need(data, "measured_at", str, where), error)
+                       _need(data, "measured_at", str, where), error, timed,
+                       None if eager is None or median is None else float(eager))
 
 
 @attrs.frozen
@@ -155,6 +200,9 @@ def parse_cache(data) -> list[Section]:
     """The sections of a cache file's JSON, or :class:`CacheFormatError` naming what is wrong."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        if isinstance(got, str) and got in OUTDATED_SCHEMAS:
+            raise OutdatedCacheError(f"schema {got!r} is an older one: {OUTDATED_SCHEMAS[got]}; "
+                                     f"this moe-runtime reads {SCHEMA!r}")
         raise CacheFormatError(f"schema is {got!r}, expected {SCHEMA!r}")
     sections = []
     for i, raw in enumerate(_need(data, "sections", list, "the cache")):
@@ -251,6 +299,8 @@ def load_tuning(path: str | Path | None, environment: Environment, registry, *,
                              f"declared priority ({again})",) if explicit else ())
     try:
         sections = read_sections(path)
+    except OutdatedCacheError as exc:
+        return Tuning(notes=(f"ignored tuning cache {path}: outdated: {exc}; {again}",))
     except CacheFormatError as exc:
         return Tuning(notes=(f"ignored tuning cache {path}: malformed: {exc}",))
     section, why = select_section(sections, cache_key(environment, registry))
@@ -309,10 +359,39 @@ class TuningCache:
             why = "no measurement" if m is None else f"a failed measurement ({m.error})"
             return None, (f"declared priority decides; cache {self.path} has {why} of "
                           f"{plans[0].experts} at {_tokens(bucket)} per rank")
-        ranked = sorted(timed, key=lambda i: (found[i].median_us, i))
+        how, key = compared_times([(plans[i].experts, found[i]) for i in timed])
+        ranked = sorted(timed, key=lambda i: (key(found[i]), i))
         day = max(found[i].measured_at for i in timed)[:10]
-        ranking = ", ".join(f"{plans[i].experts} {found[i].median_us:.1f} us" for i in ranked)
+        ranking = ", ".join(f"{plans[i].experts} {key(found[i]):.1f} us" for i in ranked)
         left = [plans[i].experts for i in range(len(plans)) if i not in timed]
         return ranked[0], (f"chosen by measurement (cache {self.path}, measured {day}): "
-                           f"{ranking} at {_tokens(bucket)} per rank"
+                           f"{ranking} at {_tokens(bucket)} per rank, {how}"
                            + (f" (not measured: {', '.join(left)})" if left else ""))
+
+
+def _eager_reasons(named: Sequence[tuple[str, Measurement]], *, every: bool = False) -> str:
+    """Why each was timed eagerly, grouped by reason; one reason for ``every`` one: just it."""
+    by_reason: dict[str, list[str]] = {}
+    for name, m in named:
+        by_reason.setdefault(m.timed.removeprefix("eager: "), []).append(name)
+    if every and len(by_reason) == 1:
+        return next(iter(by_reason))
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+
+
+def compared_times(named: Sequence[tuple[str, Measurement]]):
+    """How measurements of one bucket are compared, like with like: ``(words, time_of)``.
+
+    All graph replays: their medians. None: the eager medians. A mix: every candidate's eager
+    median (each graph-timed measurement has one), since an eager time includes host launch
+    work that a replay does not; the words name who was not replayed and why, and give the
+    replays' times."""
+    graphed = [(n, m) for n, m in named if m.graphed]
+    if len(graphed) == len(named):
+        return "CUDA-graph replays", lambda m: m.median_us
+    if not graphed:
+        return f"eager calls ({_eager_reasons(named, every=True)})", lambda m: m.median_us
+    replays = ", ".join(f"{n} {m.median_us:.1f} us" for n, m in graphed)
+    eager = [(n, m) for n, m in named if not m.graphed]
+    return (f"eager calls compared, like with like ({_eager_reasons(eager)}; replayed from a CUDA "
+            f"graph: {replays})", lambda m: m.eager_us)

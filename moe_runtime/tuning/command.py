@@ -74,6 +74,10 @@ def add_tune_command(sub) -> None:
     p.add_argument("--backends", default=None, metavar="NAME,...",
                    help="time only these experts backends (default: every candidate)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when present)")
+    p.add_argument("--graph-max-tokens", type=int, default=None, metavar="N",
+                   help="token counts up to N are also timed as CUDA-graph replays, where the "
+                        "candidate captures (default 1024, as engines capture decode batches; "
+                        "0: eager calls only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_tune)
@@ -141,9 +145,17 @@ def print_results(shapes, measurements, file=None) -> None:
         for t in sorted({m.tokens for m in mine}):
             row = sorted((m for m in mine if m.tokens == t),
                          key=lambda m: (m.median_us is None, m.median_us or 0.0))
-            cells = [f"{m.candidate['experts']} {m.median_us:.1f} us" if m.median_us is not None
-                     else f"{m.candidate['experts']} failed ({m.error})" for m in row]
+            cells = [f"{m.candidate['experts']} {_how(m)}" for m in row]
             print(f"  {t:>6} tokens: " + ", ".join(cells), file=file)
+
+
+def _how(m) -> str:
+    """A measurement's time and how it was taken, for the table."""
+    if m.median_us is None:
+        return f"failed ({m.error})"
+    if m.graphed:
+        return f"{m.median_us:.1f} us graph (eager {m.eager_us:.1f} us)"
+    return f"{m.median_us:.1f} us {m.timed.replace(': ', ' (', 1)})"
 
 
 def run_tune(args) -> int:
@@ -151,12 +163,16 @@ def run_tune(args) -> int:
     from moe_runtime.checkpoint.problems import problems_from_checkpoint
     from moe_runtime.cli import load_registry
     from moe_runtime.environment import Environment
-    from moe_runtime.tuning.measure import Timer, shapes_to_tune, tune
+    from moe_runtime.tuning.measure import GRAPH_MAX_TOKENS, Timer, shapes_to_tune, tune
 
     tokens = _counts(args.tokens, "--tokens")
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value < 1:
             raise SystemExit(f"error: {flag} must be at least 1, got {value}")
+    graph_max = getattr(args, "graph_max_tokens", None)
+    graph_max = GRAPH_MAX_TOKENS if graph_max is None else graph_max
+    if graph_max < 0:
+        raise SystemExit(f"error: --graph-max-tokens must be 0 (no graphs) or more, got {graph_max}")
     path = Path(args.cache).expanduser() if args.cache else default_cache_path()
     if path is None:
         raise SystemExit(f"error: {ENV_VAR} switches the default cache off; name one with --cache")
@@ -182,7 +198,7 @@ def run_tune(args) -> int:
     try:
         found = tune(shapes, tokens, registry=registry, device=device, seed=args.seed,
                      timer=Timer(args.warmup, args.repeats, args.budget),
-                     progress=bar.update if bar else None)
+                     progress=bar.update if bar else None, graph_max_tokens=graph_max)
     finally:
         if bar:
             bar.close()

@@ -5,6 +5,12 @@ among (:func:`moe_runtime.planner.layer_candidates`), builds each plan's real ex
 (:func:`moe_runtime.executor.build_executor`: the backends' own ``prepare``) on random weights of
 the layer's format, and times ``dispatch -> forward -> combine`` on random routed batches of each
 token count: CUDA events after warm-up on CUDA, the wall clock on CPU, the median of the repeats.
+
+Each measurement is timed eagerly (the call from Python) and, where the candidate captures and the
+batch is within the graph bound, again as replays of CUDA graphs captured from the same call (one
+graph per input batch, replayed in turn), as engines run decode: :func:`capture_graphs`. A capture
+that fails, or a replay whose output differs from the eager call's, leaves the eager time with the
+reason recorded (``Measurement.timed``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import torch
 from moe_runtime.backend_api import ExpertWeights, LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.planner import Deployment, LayerPlan, PlanError, layer_candidates
-from moe_runtime.tuning.cache import Measurement, candidate_key, problem_key
+from moe_runtime.tuning.cache import GRAPH, Measurement, _tokens, candidate_key, problem_key
 
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096)
 TUNED_EP_SIZE = 1  # a local layer: every expert on this device, local communication
+GRAPH_MAX_TOKENS = 1024  # larger batches (prefill) run eagerly in engines: timed eagerly only
 ACT_AMAX = 4.0  # activation scales of random weights: about the largest of a unit-normal batch
 
 
@@ -180,6 +187,102 @@ def shapes_to_tune(problems: Iterable[LayerProblem], *, registry, environment: E
     return out
 
 
+class GraphUnavailable(Exception):
+    """No CUDA graph can be tried here (the message says why: the device, the token bound)."""
+
+
+def capture_graphs(executor, batches, device: str) -> list[tuple[Callable[[], None], object]]:
+    """One CUDA graph per batch of ``executor``'s call: ``[(replay, output)]``, the output being
+    the tensor each replay rewrites. The calls run first on a side stream (lazy allocations,
+    autotuning and JIT happen outside the capture), as ``torch.cuda.graphs`` recommends.
+
+    Raises :class:`GraphUnavailable` off CUDA, and whatever the capture raises (a host sync such
+    as ``.item()`` inside the call, an operation a capture does not permit)."""
+    if not str(device).startswith("cuda"):
+        raise GraphUnavailable(f"no CUDA graphs on {device}")
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x, ids, w in batches:
+                executor(x, ids, w)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        captured = []
+        for x, ids, w in batches:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = executor(x, ids, w)
+            captured.append((graph, out))
+        torch.cuda.synchronize()
+    return [(graph.replay, out) for graph, out in captured]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
+
+
+def replay_differs(executor, batches, captured) -> str:
+    """Why the replays do not reproduce the eager calls' outputs (``""`` when they do, within
+    1% of the output's scale: split reductions may add in another order)."""
+    for (x, ids, w), (replay, out) in zip(batches, captured):
+        replay()
+        want = executor(x, ids, w)
+        got = out.float() if isinstance(out, torch.Tensor) else None
+        if got is None or got.shape != want.shape:
+            return "the captured call returned no tensor of the eager call's shape"
+        diff = (got - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        if not diff <= 0.01 * scale + 1e-3:
+            return f"a replay's output differs from the eager call's (max |diff| {diff:.3g})"
+    return ""
+
+
+def graph_timing(executor, batches, case: TuneCase, timer, capture=capture_graphs,
+                 graph_max_tokens: int = GRAPH_MAX_TOKENS) -> tuple[Timing | None, str]:
+    """The timing of CUDA-graph replays of ``executor`` on ``batches`` (in turn) and
+    :data:`GRAPH`, or ``None`` and ``"eager: <why not>"``."""
+    if case.tokens > graph_max_tokens:
+        return None, (f"eager: {_tokens(case.tokens)} is above the graph bound of "
+                      f"{graph_max_tokens} (engines run such batches eagerly)")
+    try:
+        captured = capture(executor, batches, case.device)
+    except GraphUnavailable as exc:
+        return None, f"eager: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is a result
+        _settle(case.device)
+        return None, f"eager: capture failed: {_first_line(exc)}"
+    try:
+        wrong = replay_differs(executor, batches, captured)
+        if wrong:
+            return None, f"eager: {wrong}"
+        return timer(_rotating_replays([r for r, _ in captured]), case), GRAPH
+    except Exception as exc:  # noqa: BLE001
+        _settle(case.device)
+        return None, f"eager: replay failed: {_first_line(exc)}"
+    finally:
+        del captured
+
+
+def _settle(device: str) -> None:
+    """Wait for the device after a failed capture, so its error does not surface later."""
+    if str(device).startswith("cuda"):
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - the capture's own error was recorded already
+            pass
+
+
+def _rotating_replays(replays) -> Callable[[], None]:
+    turn = iter(range(1 << 62))
+
+    def call():
+        replays[next(turn) % len(replays)]()
+
+    return call
+
+
 def rotating_call(executor, batches) -> Callable[[], object]:
     """A call of ``executor`` on the next of ``batches`` each time."""
     turn = iter(range(1 << 62))
@@ -196,19 +299,24 @@ def _now() -> str:
 
 
 def measure_plan(plan: LayerPlan, weights: ExpertWeights, tokens: Sequence[int], *, registry,
-                 device: str, timer, seed: int = 0, step: Callable[[], None] = lambda: None
+                 device: str, timer, seed: int = 0, step: Callable[[], None] = lambda: None,
+                 capture=capture_graphs, graph_max_tokens: int = GRAPH_MAX_TOKENS
                  ) -> list[Measurement]:
-    """Time one candidate at every token count; an error (building or running) is recorded in
-    the measurement instead of stopping the run."""
+    """Time one candidate at every token count, eagerly and, where it captures, as CUDA-graph
+    replays (:func:`graph_timing`); an error (building or running) is recorded in the
+    measurement instead of stopping the run."""
     from moe_runtime.executor import build_executor
 
     problem = problem_key(plan.problem, TUNED_EP_SIZE)
 
-    def record(t: int, timing: Timing | None, error: str | None = None) -> Measurement:
+    def record(t: int, eager: Timing | None, error: str | None = None,
+               graph: Timing | None = None, timed: str = "eager: it failed") -> Measurement:
         step()
+        used = graph or eager
         return Measurement(problem, candidate_key(plan, t), t,
-                           timing.median_us if timing else None, timing.repeats if timing else 0,
-                           timing.timer if timing else "none", _now(), error)
+                           used.median_us if used else None, used.repeats if used else 0,
+                           used.timer if used else "none", _now(), error, timed,
+                           eager.median_us if eager else None)
 
     try:
         executor = build_executor(plan, registry, weights, device=device,
@@ -217,17 +325,25 @@ def measure_plan(plan: LayerPlan, weights: ExpertWeights, tokens: Sequence[int],
         return [record(t, None, f"prepare: {type(exc).__name__}: {exc}") for t in tokens]
     out = []
     for t in tokens:
+        case = TuneCase(plan, t, device)
         try:
-            call = rotating_call(executor, routed_batches(plan.problem, t, device, seed + t))
-            out.append(record(t, timer(call, TuneCase(plan, t, device))))
+            batches = routed_batches(plan.problem, t, device, seed + t)
+            eager = timer(rotating_call(executor, batches), case)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at one token count
             out.append(record(t, None, f"forward: {type(exc).__name__}: {exc}"))
+            continue
+        graph, timed = graph_timing(executor, batches, case, timer, capture, graph_max_tokens)
+        out.append(record(t, eager, None, graph, timed))
+        del batches
     return out
 
 
 def tune(shapes: Sequence[Shape], tokens: Sequence[int], *, registry, device: str, timer=None,
-         seed: int = 0, progress=None) -> list[Measurement]:
-    """Every measurement of ``shapes`` at ``tokens``; ``progress(n)`` is told of each one."""
+         seed: int = 0, progress=None, capture=capture_graphs,
+         graph_max_tokens: int = GRAPH_MAX_TOKENS) -> list[Measurement]:
+    """Every measurement of ``shapes`` at ``tokens``; ``progress(n)`` is told of each one.
+    ``capture`` makes the CUDA graphs (:func:`capture_graphs`) of batches up to
+    ``graph_max_tokens`` tokens."""
     timer = timer or Timer()
     step = (lambda: progress(1)) if progress else (lambda: None)
     out: list[Measurement] = []
@@ -237,7 +353,8 @@ def tune(shapes: Sequence[Shape], tokens: Sequence[int], *, registry, device: st
         weights = random_weights(shape.problem, registry, device, seed)
         for plan in shape.plans:
             out += measure_plan(plan, weights, tokens, registry=registry, device=device,
-                                timer=timer, seed=seed, step=step)
+                                timer=timer, seed=seed, step=step, capture=capture,
+                                graph_max_tokens=graph_max_tokens)
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
         del weights

@@ -98,9 +98,9 @@ def test_other_importable_modules_are_another_environment(tmp_path, registry):
 @pytest.mark.parametrize("text, why", [
     ("{not json", "malformed: not JSON"),
     ('{"schema": "moe-runtime-tuning/0", "sections": []}',
-     "malformed: schema is 'moe-runtime-tuning/0', expected 'moe-runtime-tuning/1'"),
+     "malformed: schema is 'moe-runtime-tuning/0', expected 'moe-runtime-tuning/2'"),
     ('[1, 2]', "malformed: schema is 'list'"),
-    ('{"schema": "moe-runtime-tuning/1"}', "malformed: the cache has no field 'sections'"),
+    ('{"schema": "moe-runtime-tuning/2"}', "malformed: the cache has no field 'sections'"),
 ])
 def test_a_malformed_cache_is_ignored_with_a_note(tmp_path, registry, text, why):
     path = tmp_path / "t.json"
@@ -147,3 +147,46 @@ def test_the_default_location_follows_the_environment_variable(tmp_path):
 def test_the_default_location_is_in_moe_runtimes_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_path({}) == tmp_path / "moe-runtime" / "tuning.json"
+
+
+def test_a_cache_of_the_eager_only_schema_is_ignored_as_outdated(tmp_path, registry):
+    data = {"schema": SCHEMA, "sections": [measured(registry, CPU, {"reference": 5.0}).to_json()]}
+    for m in data["sections"][0]["measurements"]:  # as moe-runtime-tuning/1 wrote them
+        del m["timed"], m["eager_us"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({**data, "schema": "moe-runtime-tuning/1"}))
+    tuning = load_tuning(path, CPU, registry)
+    assert tuning.cache is None
+    (note,) = tuning.notes
+    assert note.startswith(f"ignored tuning cache {path}: outdated: schema 'moe-runtime-tuning/1' "
+                           "is an older one: every call was timed eagerly")
+    assert f"moe-runtime tune CHECKPOINT --cache {path}" in note
+    # the same measurements under today's schema lack how they were timed
+    path.write_text(json.dumps(data))
+    assert load_tuning(path, CPU, registry).notes[0].endswith(
+        "malformed: sections[0].measurements[0] has no field 'timed'")
+
+
+def test_graph_timed_measurements_read_back_with_their_eager_time(tmp_path, registry):
+    section = measured(registry, CPU, {"reference": 50.0})
+    graphed = tuple(attrs.evolve(m, timed="graph", eager_us=400.0) for m in section.measurements)
+    section = attrs.evolve(section, measurements=graphed)
+    path = tmp_path / "t.json"
+    write_sections(path, [section])
+    (back,) = read_sections(path)
+    assert back == section and back.measurements[0].timed == "graph"
+    assert back.measurements[0].eager_us == 400.0
+
+
+@pytest.mark.parametrize("timed, eager, why", [
+    ("replayed", None, "timed is 'replayed', expected 'graph' or 'eager: <why>'"),
+    ("graph", None, "has no field 'eager_us'"),
+])
+def test_how_a_measurement_was_timed_is_checked(tmp_path, registry, timed, eager, why):
+    data = {"schema": SCHEMA, "sections": [measured(registry, CPU, {"reference": 5.0}).to_json()]}
+    m = data["sections"][0]["measurements"][0]
+    m["timed"] = timed
+    del m["eager_us"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    assert load_tuning(path, CPU, registry).notes[0].endswith(why)

@@ -56,10 +56,16 @@ def registry_with(*specs) -> Registry:
 SLOW = 10000.0  # the built-in backends' time where a test does not say
 
 
+CPU_EAGER = "eager: no CUDA graphs on cpu"
+
+
 def tuning_of(tmp_path, registry, p, times: dict[tuple[str, int], float], errors=(),
-              missing=()) -> Tuning:
+              missing=(), graphs=None) -> Tuning:
     """A cache file timing ``p``'s candidates as ``times`` says ((backend, tokens) -> us; the
-    others at :data:`SLOW`, except ``missing``), written and read back as a plan would."""
+    others at :data:`SLOW`, except ``missing``), written and read back as a plan would.
+    ``graphs``: (backend, tokens) -> (timed, eager us) where a time is not an eager one on
+    CPU (``times`` then holds the graph replay's)."""
+    graphs = graphs or {}
     plans = layer_candidates(p, registry=registry, environment=CPU,
                              deployment=Deployment()).plans
     by_name = {lp.experts: lp for lp in plans}
@@ -70,7 +76,8 @@ def tuning_of(tmp_path, registry, p, times: dict[tuple[str, int], float], errors
     ms = tuple(
         Measurement(problem_key(p, 1), candidate_key(by_name[b], t), t,
                     None if (b, t) in errors else us, 5, "wall_clock", "2026-12-03T10:00:00Z",
-                    "forward: RuntimeError: boom" if (b, t) in errors else None)
+                    "forward: RuntimeError: boom" if (b, t) in errors else None,
+                    *graphs.get((b, t), (CPU_EAGER, None)))
         for (b, t), us in times.items())
     path = tmp_path / "tuning.json"
     write_sections(path, [Section(cache_key(CPU, registry), CPU.to_json(), ms)])
@@ -101,7 +108,7 @@ def test_a_tie_is_broken_by_the_measured_fastest(tmp_path):
     assert lp.notes[-1] == (
         f"chosen by measurement (cache {tmp_path / 'tuning.json'}, measured 2026-12-03): "
         "second 30.0 us, first 90.0 us, reference 900.0 us, cpu_dequantized 10000.0 us at 4096 tokens "
-        "per rank")
+        "per rank, eager calls (no CUDA graphs on cpu)")
 
 
 def test_a_measurement_that_agrees_with_the_declaration_keeps_it_and_says_so(tmp_path):
@@ -131,7 +138,7 @@ def test_a_degraded_candidate_is_not_preferred_over_an_exact_one_however_fast(tm
     assert lp.experts == "degrading" and lp.runs_as == "nvfp4_w4a16"
     # the measurement chose among the plans that run the weights as w4a16 only
     assert lp.notes[-1].endswith("degrading 500.0 us, cpu_dequantized 10000.0 us at 4096 tokens "
-                                 "per rank")
+                                 "per rank, eager calls (no CUDA graphs on cpu)")
 
 
 def test_a_pinned_backend_is_not_overridden_by_measurement(tmp_path):
@@ -148,7 +155,8 @@ def test_tied_plans_left_unmeasured_take_no_part(tmp_path):
     lp = plan(layer(), reg, tuning)
     assert lp.experts == "second"
     assert lp.notes[-1].endswith("second 50.0 us, first 90.0 us, cpu_dequantized 10000.0 us at "
-                                 "4096 tokens per rank (not measured: reference)")
+                                 "4096 tokens per rank, eager calls (no CUDA graphs on cpu) "
+                                 "(not measured: reference)")
 
 
 def test_an_unmeasured_declared_choice_stands_with_a_note(tmp_path):
@@ -221,3 +229,46 @@ def test_rejections_of_a_measured_choice_are_the_declared_choices_here(tmp_path,
     _, measured = plan_layer(p, registry=reg, environment=CPU, deployment=Deployment(),
                              tuning=tuning)
     assert measured == declared  # the same backends were turned down, for the same reasons
+
+
+# ------------------------------------------------------- how each candidate was timed
+
+
+def test_graph_replays_are_compared_by_their_medians(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    graphs = {("first", 16): ("graph", 200.0), ("second", 16): ("graph", 150.0),
+              ("reference", 16): ("graph", 900.0), ("cpu_dequantized", 16): ("graph", 950.0)}
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 16): 20.0, ("second", 16): 40.0},
+                       graphs=graphs)
+    lp = plan(layer(), reg, tuning, max_tokens_per_rank=16)
+    # eagerly second is faster (150 against 200 us); replayed, as decode runs, first is
+    assert lp.experts == "first"
+    assert lp.notes[-1].endswith("first 20.0 us, second 40.0 us, cpu_dequantized 10000.0 us, "
+                                 "reference 10000.0 us at 16 tokens per rank, CUDA-graph "
+                                 "replays")
+
+
+def test_a_mix_of_graph_and_eager_times_is_compared_eager_like_with_like(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    graphs = {("first", 16): ("graph", 300.0)}  # first replays in 20 us, 300 us eagerly
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 16): 20.0, ("second", 16): 250.0},
+                       graphs=graphs, missing={("reference", 16), ("cpu_dequantized", 16)})
+    lp = plan(layer(), reg, tuning, max_tokens_per_rank=16)
+    # 20 us of replay against 250 us of an eager call would compare host launch work; the
+    # eager times (300 against 250 us) are the same kind of time
+    assert lp.experts == "second"
+    assert lp.notes[-1].endswith(
+        "second 250.0 us, first 300.0 us at 16 tokens per rank, eager calls compared, like with "
+        "like (second: no CUDA graphs on cpu; replayed from a CUDA graph: first 20.0 us) "
+        "(not measured: cpu_dequantized, reference)")
+
+
+def test_eager_reasons_are_grouped_in_the_note(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    graphs = {("first", 16): ("eager: capture failed: RuntimeError: sync", None)}
+    tuning = tuning_of(tmp_path, reg, layer(), {("first", 16): 20.0, ("second", 16): 40.0},
+                       graphs=graphs, missing={("reference", 16), ("cpu_dequantized", 16)})
+    lp = plan(layer(), reg, tuning, max_tokens_per_rank=16)
+    assert lp.experts == "first"
+    assert "eager calls (first: capture failed: RuntimeError: sync; second: no CUDA graphs on " \
+           "cpu)" in lp.notes[-1]
