@@ -218,17 +218,9 @@ def load_model(
     exceed the plan's ``max_tokens_per_rank``. A forward over the bound is refused. On one rank a
     layer reads each batch's own size instead (a shape, no synchronisation either).
     """
-    from transformers import AutoModelForCausalLM
-
     from moe_runtime.checkpoint import read_checkpoint
     from moe_runtime.checkpoint.check import require_sound_checkpoint
-    from moe_runtime.checkpoint.problems import problems_from_checkpoint
-    from moe_runtime.environment import Environment
-    from moe_runtime.executor import build_executor
-    from moe_runtime.methods import load_expert_weights
-    from moe_runtime.planner import Deployment, Plan, plan_model
-    from moe_runtime.plugin.registry import Registry
-    from moe_runtime.reference_math import dequantize_expert_weights
+    from moe_runtime.planner import Deployment, Plan
 
     model_dir = Path(model_dir)
     if plan is not None and not isinstance(plan, Plan):
@@ -238,111 +230,174 @@ def load_model(
     require_sound_checkpoint(model_dir, device=device,  # every finding, before any allocation
                              ep_size=ep_size or getattr(deployment, "ep_size", 1))
     ckpt = read_checkpoint(model_dir)
-    if dtype is None:
-        dtype = torch_dtype(model_dtype_name(ckpt.dtype))
-    elif isinstance(dtype, str):
-        if dtype not in MODEL_DTYPES:
-            raise ValueError(
-                f"dtype {dtype!r} is not supported; use one of {sorted(MODEL_DTYPES)}")
-        dtype = torch_dtype(dtype)
+    dtype = _load_dtype(dtype, ckpt)
     deployment = deployment or Deployment()
     if ep_size is None:
         ep_size = deployment.ep_size
-    if not dequantize_experts:
+    place = None
+    if dequantize_experts:
+        plan = None  # transformers runs the experts: nothing of a plan applies
+    else:
         _check_token_bound(max_tokens_per_forward, deployment, ep_size)
-    given, plan = plan, None
-    if not dequantize_experts:
-        registry = registry or Registry.load()
-        if environment is None and given is None:
-            environment = Environment.probe(device=device, modules=registry.required_modules())
-
-        def make_plan():
-            if given is not None:
-                return check_given_plan(given, problems_from_checkpoint(ckpt), registry)
-            return plan_model(problems_from_checkpoint(ckpt), registry=registry,
-                              environment=environment, deployment=deployment)
-
-        if ep_size > 1:
-            from moe_runtime.agreement import plan_and_agree
-
-            plan = plan_and_agree(make_plan, registry, group=group, timeout=agreement_timeout)
-        else:
-            plan = make_plan()
+        registry, plan = _plan_for_load(ckpt, plan, registry=registry, environment=environment,
+                                        deployment=deployment, device=device, ep_size=ep_size,
+                                        group=group, timeout=agreement_timeout)
+        place = _ExpertsPlacement(plan, registry, deployment, ep_rank, ep_size, group,
+                                  max_tokens_per_forward)
 
     tensors = CheckpointTensors(model_dir)
     config = _hf_config(model_dir, dtype)
-    register_experts_implementation()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype,
-            experts_implementation=None if dequantize_experts else EXPERTS_IMPLEMENTATION)
-
-    experts_modules = {}
-    for layer in ckpt.moe_layers:
-        hf_name, mod = _find_module(model, layer.name)
-        experts_modules[layer.name] = (hf_name, mod)
-        if not dequantize_experts:
-            # moe-runtime holds these weights; transformers' copies would only cost memory.
-            for pname in ("gate_up_proj", "down_proj"):
-                if isinstance(getattr(mod, pname, None), torch.nn.Parameter):
-                    setattr(mod, pname, torch.nn.Parameter(torch.empty(0, device="meta"),
-                                                           requires_grad=False))
-    model.to_empty(device=device)
-    _recreate_nonpersistent_buffers(model, device)
-
-    skip = tuple(hf + "." for hf, _ in experts_modules.values())
-    linears: dict[str, str] = {}
-    state = model.state_dict(keep_vars=True)
-    steps = [k for k in state if not k.startswith(skip)]
+    model, experts_modules = _empty_model(config, ckpt, dtype, device, own_experts=place is not None)
+    steps = _dense_keys(model, experts_modules)
     layers = list(ckpt.moe_layers)
     bar = _progress(progress, total=len(steps) + len(layers), desc="loading weights")
     with torch.no_grad():
-        for key in steps:
-            target = state[key]
-            src = _ckpt_name_for(key, tensors)
-            if src is None:
-                if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
-                    bar.update(1)
-                    continue
-                raise WeightError(
-                    f"tensor {key!r} of the model is missing from {model_dir} (looked for "
-                    f"{', '.join(repr(c) for c in dict.fromkeys(_name_candidates(key)))})")
-            if src.endswith(".weight") and target.dim() == 2:
-                value, how = _dequantize_linear(tensors, src, dtype)
-                linears[src[: -len(".weight")]] = how
-            else:
-                value = tensors.get(src)
-            if tuple(value.shape) != tuple(target.shape):
-                raise WeightError(f"tensor {src!r} has shape {list(value.shape)}; the model "
-                                  f"expects {list(target.shape)} for {key!r}")
-            target.data.copy_(value.to(target.dtype))
-            bar.update(1)
-
+        linears = _load_dense(model, steps, tensors, config, dtype, model_dir, bar)
         for layer in layers:
-            hf_name, mod = experts_modules[layer.name]
-            if dequantize_experts:
-                w = load_expert_weights(tensors, layer, dtype=dtype)
-                w13, w2 = dequantize_expert_weights(w, torch.float32)
-                mod.gate_up_proj.data.copy_(w13.to(dtype))
-                mod.down_proj.data.copy_(w2.to(dtype))
-            else:
-                from moe_runtime.placement import local_experts
-
-                lp = plan.for_layer(layer.name)
-                ids = local_experts(lp.problem.num_experts, ep_size, ep_rank)
-                w = load_expert_weights(tensors, layer, experts=ids, dtype=dtype).to(device)
-                mod._moe_runtime_executor = build_executor(
-                    lp, registry, w, device=device, ep_rank=ep_rank, ep_size=ep_size,
-                    group=group, max_tokens_per_rank=deployment.max_tokens_per_rank)
-                mod._moe_runtime_max_tokens = max_tokens_per_forward
-                # under EP the bound picks the mode, alike on every rank; on one rank the batch
-                mod._moe_runtime_mode_tokens = max_tokens_per_forward if ep_size > 1 else None
+            _load_experts(experts_modules[layer.name][1], layer, tensors, dtype, device, place)
             linears.setdefault(layer.name, f"MoE experts: {layer.quant.format}")
             bar.update(1)
     bar.close()
     tensors.close()
     model.eval()
     return LoadedModel(model, ckpt, plan, linears, dtype, device, name=model_dir.name)
+
+
+def _load_dtype(dtype, ckpt) -> torch.dtype:
+    """The model's dtype: the checkpoint's when ``dtype`` is None, else the one named."""
+    if dtype is None:
+        return torch_dtype(model_dtype_name(ckpt.dtype))
+    if isinstance(dtype, str):
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; use one of {sorted(MODEL_DTYPES)}")
+        return torch_dtype(dtype)
+    return dtype
+
+
+def _plan_for_load(ckpt, given, *, registry, environment, deployment, device, ep_size, group,
+                   timeout):
+    """``(registry, plan)``: ``given`` checked against the checkpoint, or a plan made here; under
+    expert parallelism agreed across the ranks of ``group`` before any weight is read."""
+    from moe_runtime.checkpoint.problems import problems_from_checkpoint
+    from moe_runtime.environment import Environment
+    from moe_runtime.planner import plan_model
+    from moe_runtime.plugin.registry import Registry
+
+    registry = registry or Registry.load()
+    if environment is None and given is None:
+        environment = Environment.probe(device=device, modules=registry.required_modules())
+
+    def make_plan():
+        if given is not None:
+            return check_given_plan(given, problems_from_checkpoint(ckpt), registry)
+        return plan_model(problems_from_checkpoint(ckpt), registry=registry,
+                          environment=environment, deployment=deployment)
+
+    if ep_size > 1:
+        from moe_runtime.agreement import plan_and_agree
+
+        return registry, plan_and_agree(make_plan, registry, group=group, timeout=timeout)
+    return registry, make_plan()
+
+
+@attrs.frozen
+class _ExpertsPlacement:
+    """What each MoE layer's executor is built from: the plan, this rank and the engine's bound."""
+
+    plan: object
+    registry: object
+    deployment: object
+    ep_rank: int
+    ep_size: int
+    group: object
+    max_tokens_per_forward: int | None
+
+
+def _empty_model(config, ckpt, dtype, device, *, own_experts: bool):
+    """The transformers model allocated on ``device`` (uninitialised) and its experts modules by
+    checkpoint layer name; with ``own_experts`` transformers' expert parameters are dropped
+    (moe-runtime holds those weights; transformers' copies would only cost memory)."""
+    from transformers import AutoModelForCausalLM
+
+    register_experts_implementation()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, experts_implementation=EXPERTS_IMPLEMENTATION if own_experts
+            else None)
+    experts_modules = {}
+    for layer in ckpt.moe_layers:
+        hf_name, mod = _find_module(model, layer.name)
+        experts_modules[layer.name] = (hf_name, mod)
+        if own_experts:
+            for pname in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(mod, pname, None), torch.nn.Parameter):
+                    setattr(mod, pname, torch.nn.Parameter(torch.empty(0, device="meta"),
+                                                           requires_grad=False))
+    model.to_empty(device=device)
+    _recreate_nonpersistent_buffers(model, device)
+    return model, experts_modules
+
+
+def _dense_keys(model, experts_modules) -> list[str]:
+    """The state-dict keys loaded from the checkpoint one tensor each (all but the experts')."""
+    skip = tuple(hf + "." for hf, _ in experts_modules.values())
+    return [k for k in model.state_dict(keep_vars=True) if not k.startswith(skip)]
+
+
+def _load_dense(model, keys, tensors, config, dtype, model_dir, bar) -> dict[str, str]:
+    """Copy every tensor of ``keys`` from the checkpoint (linears dequantized where quantized);
+    returns how each linear was loaded, by checkpoint module name."""
+    linears: dict[str, str] = {}
+    state = model.state_dict(keep_vars=True)
+    for key in keys:
+        target = state[key]
+        src = _ckpt_name_for(key, tensors)
+        if src is None:
+            if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+                bar.update(1)
+                continue
+            raise WeightError(
+                f"tensor {key!r} of the model is missing from {model_dir} (looked for "
+                f"{', '.join(repr(c) for c in dict.fromkeys(_name_candidates(key)))})")
+        if src.endswith(".weight") and target.dim() == 2:
+            value, how = _dequantize_linear(tensors, src, dtype)
+            linears[src[: -len(".weight")]] = how
+        else:
+            value = tensors.get(src)
+        if tuple(value.shape) != tuple(target.shape):
+            raise WeightError(f"tensor {src!r} has shape {list(value.shape)}; the model "
+                              f"expects {list(target.shape)} for {key!r}")
+        target.data.copy_(value.to(target.dtype))
+        bar.update(1)
+    return linears
+
+
+def _load_experts(mod, layer, tensors, dtype, device, place: _ExpertsPlacement | None) -> None:
+    """One MoE layer's experts: dequantized into transformers' parameters (``place`` None), or
+    this rank's experts handed to an executor built from the layer's plan."""
+    from moe_runtime.methods import load_expert_weights
+
+    if place is None:
+        from moe_runtime.reference_math import dequantize_expert_weights
+
+        w = load_expert_weights(tensors, layer, dtype=dtype)
+        w13, w2 = dequantize_expert_weights(w, torch.float32)
+        mod.gate_up_proj.data.copy_(w13.to(dtype))
+        mod.down_proj.data.copy_(w2.to(dtype))
+        return
+    from moe_runtime.executor import build_executor
+    from moe_runtime.placement import local_experts
+
+    lp = place.plan.for_layer(layer.name)
+    ids = local_experts(lp.problem.num_experts, place.ep_size, place.ep_rank)
+    w = load_expert_weights(tensors, layer, experts=ids, dtype=dtype).to(device)
+    mod._moe_runtime_executor = build_executor(
+        lp, place.registry, w, device=device, ep_rank=place.ep_rank, ep_size=place.ep_size,
+        group=place.group, max_tokens_per_rank=place.deployment.max_tokens_per_rank)
+    mod._moe_runtime_max_tokens = place.max_tokens_per_forward
+    # under EP the bound picks the mode, alike on every rank; on one rank the batch
+    mod._moe_runtime_mode_tokens = place.max_tokens_per_forward if place.ep_size > 1 else None
 
 
 def _check_token_bound(bound: int | None, deployment, ep_size: int) -> None:
