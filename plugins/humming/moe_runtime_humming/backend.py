@@ -1,9 +1,13 @@
 """The experts backend class (imported only when the planner selects ``humming``).
 
-A forward is: routing (``route``, torch ops sized from shapes: no host sync, CUDA-graph
-capturable), Humming's indexed GEMM over ``w13`` (``top_k`` rows per token), its gated activation
-(``process_input``), the indexed GEMM over ``w2`` (one row per (token, k) pair), and the combine (a
-batched matmul with the routing weights). Humming fixes a tile config per range of row counts
+A forward is: routing (torch ops sized from shapes: no host sync, nothing read back, so the
+forward can be captured in a CUDA graph; the sort of the pairs by expert, :func:`sort_pairs`, is
+made once and padded per projection's block size, :func:`place_pairs`), Humming's indexed GEMM
+over ``w13`` (``top_k`` rows per token), its gated activation (``process_input``), the indexed GEMM
+over ``w2`` (one row per (token, k) pair), and the combine (a batched matmul with the routing
+weights, those of pairs routed elsewhere masked by the sort's buckets). Each eager torch op costs
+host time (the launch through the dispatcher), so the routing uses few: index ranges are made at
+``prepare`` and sliced per forward. Humming fixes a tile config per range of row counts
 before its kernels are compiled; ``prepare`` plans and compiles them once for every power of two
 of (token, k) pairs, so no forward compiles.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import torch
 
 from moe_runtime import formats as F
@@ -35,6 +40,72 @@ def max_sorted_rows(pairs: int, experts: int, block_m: int) -> int:
     return max(block_m, -(-rows // block_m) * block_m)
 
 
+@attrs.frozen
+class SortedPairs:
+    """The half of routing that does not depend on the block size: (token, k) pairs sorted by
+    expert. ``bucket [P]`` int64 is each pair's expert, ``experts`` for ids outside
+    ``[0, experts)``; ``sorted_bucket``/``order`` the stable sort of it (``order`` int32);
+    ``counts [E + 1]`` the pairs per bucket; ``rank [P]`` each sorted pair's place in its
+    bucket."""
+
+    pairs: int
+    experts: int
+    bucket: torch.Tensor
+    sorted_bucket: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+    rank: torch.Tensor
+
+
+def _prefix(cached: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """``arange(n)``: a view of ``cached`` where it is long enough (no launch), else a new one."""
+    if cached is not None and cached.numel() >= n:
+        return cached[:n]
+    return torch.arange(n, device=device)
+
+
+def sort_pairs(topk_ids: torch.Tensor, experts: int, arange: torch.Tensor | None = None
+               ) -> SortedPairs:
+    """Sort the pairs of ``topk_ids [N, K]`` by expert (torch ops sized from shapes, no host
+    sync). ``arange``: a cached int64 ``arange`` on the device, sliced instead of made."""
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    # ids below 0 clamp to -1 and above to `experts`; the remainder maps -1 to `experts` too
+    bucket = flat.to(torch.int64).clamp(-1, experts).remainder_(experts + 1)
+    sorted_bucket, order = torch.sort(bucket, stable=True)
+    index = _prefix(arange, max(pairs, experts + 2), flat.device)
+    first = torch.searchsorted(sorted_bucket, index[:experts + 2])  # first sorted row per bucket
+    rank = index[:pairs] - first[sorted_bucket]
+    return SortedPairs(pairs, experts, bucket, sorted_bucket, order.to(torch.int32), first.diff(),
+                       rank)
+
+
+def place_pairs(sp: SortedPairs, block_m: int, block_starts: torch.Tensor | None = None):
+    """The indexed-GEMM order of sorted pairs for ``block_m``-row blocks: ``(sorted_ids,
+    block_experts, padded_rows)`` as :func:`route` returns them. ``block_starts``: a cached
+    ``arange * block_m`` on the device, sliced instead of made."""
+    experts, pairs = sp.experts, sp.pairs
+    dev = sp.bucket.device
+    rows = max_sorted_rows(pairs, experts, block_m)
+    padded = (sp.counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
+    ends = padded.cumsum(0)  # [E + 1]; the last (pairs not computed here) is not used
+    starts = ends - padded
+    starts[experts] = rows  # pairs not computed here go to a spare region after the rows
+    dest = starts[sp.sorted_bucket].add_(sp.rank)
+    sorted_ids = torch.full((rows + pairs,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, sp.order)
+    blocks = rows // block_m
+    if block_starts is not None and block_starts.numel() >= blocks:
+        first_rows = block_starts[:blocks]
+    else:
+        first_rows = torch.arange(blocks, device=dev) * block_m
+    block_experts = torch.searchsorted(ends[:experts], first_rows, right=True, out_int32=True)
+    block_experts = torch.where(block_experts < experts, block_experts, -1)
+    padded_rows = (ends[experts - 1].to(torch.int32) if experts
+                   else torch.zeros((), dtype=torch.int32, device=dev))
+    return sorted_ids[:rows], block_experts, padded_rows
+
+
 def route(topk_ids: torch.Tensor, experts: int, block_m: int):
     """The indexed-GEMM order of ``topk_ids [N, K]`` (``-1`` or ids outside ``[0, experts)``: not
     computed here).
@@ -43,34 +114,21 @@ def route(topk_ids: torch.Tensor, experts: int, block_m: int):
     pair index (``n * K + k``) of each row, rows grouped by expert in expert order, each expert's
     group padded to a multiple of ``block_m`` with ``N * K``; ``block_experts [R / block_m]``
     int32 the expert of each block (``-1`` past the used blocks); ``padded_rows`` a 0-dim int32
-    tensor, the rows in use. Only torch ops sized from shapes."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    dev = flat.device
-    rows = max_sorted_rows(pairs, experts, block_m)
-    valid = (flat >= 0) & (flat < experts)
-    bucket = torch.where(valid, flat, torch.full_like(flat, experts))  # invalid pairs: bucket E
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts[:experts] + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    order = torch.sort(bucket, stable=True).indices
-    sorted_bucket = bucket[order]
-    first_in_sorted = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(pairs, device=dev) - first_in_sorted[sorted_bucket]
-    kept = sorted_bucket < experts
-    dest = torch.where(kept, starts[sorted_bucket.clamp(max=experts - 1)] + rank,
-                       torch.full_like(rank, rows))  # invalid pairs go to a spare slot
-    sorted_ids = torch.full((rows + 1,), pairs, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(rows // block_m, device=dev, dtype=torch.int64) * block_m
-    block_experts = torch.searchsorted(ends, block_start, right=True)
-    block_experts = torch.where(block_experts < experts, block_experts,
-                                torch.full_like(block_experts, -1)).to(torch.int32)
-    padded_rows = ends[-1].to(torch.int32) if experts else torch.zeros((), dtype=torch.int32,
-                                                                        device=dev)
-    return sorted_ids[:rows], block_experts, padded_rows
+    tensor, the rows in use. Only torch ops sized from shapes (:func:`sort_pairs`, then
+    :func:`place_pairs`)."""
+    return place_pairs(sort_pairs(topk_ids, experts), block_m)
+
+
+_INDEX_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def cached_index(n: int, device, step: int = 1) -> torch.Tensor:
+    """``arange(n) * step`` on ``device``, made once per process (at ``prepare``, never inside a
+    CUDA-graph capture) and shared by every layer: read only."""
+    key = (n, str(device), step)
+    if key not in _INDEX_CACHE:
+        _INDEX_CACHE[key] = torch.arange(n, device=device) * step
+    return _INDEX_CACHE[key]
 
 
 class _Projection:
@@ -156,6 +214,15 @@ class HummingExperts(ExpertsBackend):
         for proj in (self.w13, self.w2):
             proj.plan_and_compile(PLANNED_PAIRS)
         self.act = ACTIVATIONS[self.setup.problem.activation]
+        # index ranges the routing slices per forward instead of making them (sized for the
+        # planned pair counts; larger batches make their own)
+        device = weights.w13.device
+        most = max(PLANNED_PAIRS)
+        self.index = cached_index(max(most, self.experts + 2), device)
+        self.block_starts = {
+            bm: cached_index(max_sorted_rows(most, self.experts, bm) // bm, device, step=bm)
+            for bm in {int(cfg["block_shape"][0]) for proj in (self.w13, self.w2)
+                       for _, _, cfg in proj.intervals}}
 
     def forward(self, d: Dispatched) -> torch.Tensor:
         if d.layout != F.TOKEN_MAJOR:
@@ -171,19 +238,18 @@ class HummingExperts(ExpertsBackend):
         out_dtype = d.out_dtype or d.hidden.dtype
         if pairs == 0:
             return torch.zeros(n, self.hidden, dtype=out_dtype, device=hidden.device)
-        ids = ids.to(torch.int32).contiguous()
+        # the sort by expert is shared by both projections; only the block padding differs
+        sp = sort_pairs(ids, self.experts, self.index)
         bm1, bm2 = self.w13.block_m(pairs), self.w2.block_m(pairs)
-        r1 = route(ids, self.experts, bm1)
-        r2 = r1 if bm2 == bm1 else route(ids, self.experts, bm2)
+        r1 = place_pairs(sp, bm1, self.block_starts.get(bm1))
+        r2 = r1 if bm2 == bm1 else place_pairs(sp, bm2, self.block_starts.get(bm2))
         gate_up = self.w13(hidden, r1, top_k=k)
         inter, _, _ = hops.process_input(gate_up, activation_type="binary_split",
                                          activation_impl=self.act)
         # rows of pairs routed elsewhere (-1) are never written by the GEMM: start from zeros
         down = torch.zeros(pairs, self.hidden, dtype=self.dtype, device=hidden.device)
         down = self.w2(inter, r2, top_k=1, outputs=down)
-        weights = d.topk_weights.reshape(n, 1, k).to(self.dtype)
-        valid = ((ids >= 0) & (ids < self.experts)).reshape(n, 1, k)
-        weights = torch.where(valid, weights, torch.zeros((), dtype=self.dtype,
-                                                          device=weights.device))
+        valid = (sp.bucket < self.experts).view(n, 1, k)
+        weights = torch.where(valid, d.topk_weights.reshape(n, 1, k).to(self.dtype), 0)
         out = torch.bmm(weights, down.view(n, k, self.hidden)).view(n, self.hidden)
         return out.to(out_dtype)

@@ -111,3 +111,20 @@ def test_backend_refuses_a_setup_its_declaration_does_not_admit():
                          layout=F.MASKED, device="cuda")
     with pytest.raises(ValueError, match="masked"):
         HummingExperts(setup=setup)
+
+
+@pytest.mark.parametrize("n, k, experts, seed", [(7, 3, 8, 5), (64, 8, 16, 6), (1, 1, 4, 7)])
+def test_one_sort_serves_both_block_sizes_and_cached_ranges_change_nothing(n, k, experts, seed):
+    from moe_runtime_humming.backend import cached_index, place_pairs, route, sort_pairs
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, experts + 1, (n, k), generator=g).to(torch.int32)
+    sp = sort_pairs(ids, experts, cached_index(1 << 12, "cpu"))
+    for block_m in (16, 64):
+        shared = place_pairs(sp, block_m, cached_index(1 << 8, "cpu", step=block_m))
+        alone = route(ids, experts, block_m)
+        for got, want in zip(shared, alone):
+            assert got.dtype == want.dtype == torch.int32
+            assert torch.equal(got, want)
+    # the weights of pairs routed elsewhere are masked by the sort's buckets
+    assert torch.equal(sp.bucket < experts, ((ids >= 0) & (ids < experts)).reshape(-1))
