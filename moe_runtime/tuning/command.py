@@ -9,6 +9,7 @@ from pathlib import Path
 from moe_runtime.tuning.cache import (
     ENV_VAR,
     CacheFormatError,
+    OutdatedCacheError,
     Section,
     Tuning,
     cache_key,
@@ -123,6 +124,10 @@ def _existing(path: Path) -> list[Section]:
         return []
     try:
         return read_sections(path)
+    except OutdatedCacheError as exc:
+        print(f"warning: {path} is an outdated tuning cache ({exc}); it is replaced",
+              file=sys.stderr)
+        return []
     except CacheFormatError as exc:
         print(f"warning: {path} is not a tuning cache ({exc}); it is replaced", file=sys.stderr)
         return []

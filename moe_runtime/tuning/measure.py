@@ -210,9 +210,16 @@ def capture_graphs(executor, batches, device: str) -> list[tuple[Callable[[], No
         torch.cuda.synchronize()
         captured = []
         for x, ids, w in batches:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = executor(x, ids, w)
+            graph, inner = torch.cuda.CUDAGraph(), []
+            try:
+                with torch.cuda.graph(graph):
+                    try:
+                        out = executor(x, ids, w)
+                    except Exception as exc:
+                        inner.append(exc)
+                        raise
+            except Exception as exc:  # the call's own error, not the capture's end after it
+                raise (inner[0] if inner else exc) from None
             captured.append((graph, out))
         torch.cuda.synchronize()
     return [(graph.replay, out) for graph, out in captured]

@@ -120,7 +120,10 @@ def test_the_tune_command_writes_a_cache_that_the_next_plan_uses(checkpoint, tmp
                 "3", "--warmup", "1", "--no-progress", env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"wrote 4 measurement(s) of cpu to {path}" in r.stdout
+    assert " us eager (no CUDA graphs on cpu)" in r.stdout  # how each cell was timed
     cache = json.loads(path.read_text())
+    assert {m["timed"] for m in cache["sections"][0]["measurements"]} == {
+        "eager: no CUDA graphs on cpu"}
     r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), "--max-tokens-per-rank",
                 "4", "--json", env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -154,3 +157,18 @@ def test_tune_with_nothing_to_time_says_so_and_writes_nothing(checkpoint, tmp_pa
     assert r.returncode == 1
     assert "not tuned: none of the named backends runs it" in r.stdout
     assert "nothing written" in r.stderr and not path.exists()
+
+
+def test_tune_replaces_an_outdated_cache_and_checks_the_graph_bound(checkpoint, tmp_path):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"schema": "moe-runtime-tuning/1", "sections": []}))
+    r = run_cli("tune", str(checkpoint), "--tokens", "2", "--cache", str(path), "--repeats", "3",
+                "--warmup", "1", "--backends", "cpu_dequantized", "--no-progress", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"warning: {path} is an outdated tuning cache (schema 'moe-runtime-tuning/1'" in (
+        r.stderr)
+    assert json.loads(path.read_text())["schema"] == "moe-runtime-tuning/2"
+    r = run_cli("tune", str(checkpoint), "--graph-max-tokens", "-1", "--cache", str(path),
+                timeout=300)
+    assert r.returncode != 0
+    assert "--graph-max-tokens must be 0 (no graphs) or more, got -1" in r.stderr
