@@ -1,15 +1,12 @@
 """The experts backend class (imported only when the planner selects ``humming``).
 
-A forward is: routing (torch ops sized from shapes: no host sync, nothing read back, so the
-forward can be captured in a CUDA graph; the sort of the pairs by expert, :func:`sort_pairs`, is
-made once and padded per projection's block size, :func:`place_pairs`), Humming's indexed GEMM
-over ``w13`` (``top_k`` rows per token), its gated activation (``process_input``), the indexed GEMM
-over ``w2`` (one row per (token, k) pair), and the combine (a batched matmul with the routing
-weights, those of pairs routed elsewhere masked by the sort's buckets). Each eager torch op costs
-host time (the launch through the dispatcher), so the routing uses few: index ranges are made at
-``prepare`` and sliced per forward. Humming fixes a tile config per range of row counts
-before its kernels are compiled; ``prepare`` plans and compiles them once for every power of two
-of (token, k) pairs, so no forward compiles.
+A forward is: routing (few torch ops sized from shapes, no host sync, so CUDA-graph capturable:
+one sort of the pairs by expert, :func:`sort_pairs`, padded per projection's block size,
+:func:`place_pairs`), Humming's indexed GEMM over ``w13``, its gated activation
+(``process_input``), the indexed GEMM over ``w2``, and the combine (a batched matmul with the
+routing weights). Humming fixes a tile config per range of row counts before its kernels are
+compiled; ``prepare`` plans and compiles them once for every power of two of (token, k) pairs, so
+no forward compiles, and makes the index ranges the routing slices per forward.
 """
 
 from __future__ import annotations
