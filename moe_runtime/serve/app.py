@@ -202,6 +202,8 @@ class _Server:
             logprobs=req.top_logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
         )
 
     async def completions(self, request: Request) -> Response:
@@ -617,8 +619,9 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
     """The ASGI app serving ``engine`` (``None``: one attached later, see the module).
 
     With ``manage_engine`` the app starts the engine on start-up and stops it on shutdown.
-    ``generation_defaults`` (``temperature``, ``top_p``, ``top_k``, ``max_tokens``) fill what a
-    request omits; ``cors`` adds CORS headers for the origins it names.
+    ``generation_defaults`` (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``max_tokens``) fill what a request omits; ``cors`` adds CORS
+    headers for the origins it names.
     """
     server = _Server(engine, served_model_name=served_model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes, generation_defaults=generation_defaults)

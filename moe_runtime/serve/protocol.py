@@ -8,10 +8,12 @@ fields this server does not know are ignored, since clients send many. Errors us
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16  # choices per request (each is one more sequence in the batch)
@@ -106,6 +108,24 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # an extension: each choice also carries its token ids
+    # extensions (vLLM's and SGLang's names and ranges; transformers' definitions)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p_range(cls, v):
+        if v is not None and not 0.0 <= v <= 1.0:
+            raise PydanticCustomError("out_of_range", "must lie in [0, 1] (0: off)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty_range(cls, v):
+        if v is not None and not (math.isfinite(v) and v > 0.0):
+            raise PydanticCustomError("out_of_range", "must be a finite number above 0 (1: "
+                                      "off; above 1 discourages repeats, below 1 favours them)")
+        return v
 
     @field_validator("stop")
     @classmethod
