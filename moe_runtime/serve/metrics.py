@@ -63,6 +63,10 @@ class ServerMetrics:
         self._model_info.info({"model": model_name, "loader": "", "dtype": "", "device": ""})
         self._layer_info = Info("moe_runtime_moe_layer", "the plan's backends for each MoE layer",
                                 ["layer"], registry=r)
+        self.cuda_graphs = Gauge("moe_runtime_decode_cuda_graphs",
+                                 "1 if decode steps replay CUDA graphs, else 0; max_tokens: the "
+                                 "largest captured decode batch, reason: why on or off",
+                                 ["max_tokens", "reason"], registry=r)
         self._vllm_series(r)
 
     def _vllm_series(self, r: CollectorRegistry) -> None:
@@ -117,10 +121,19 @@ class ServerMetrics:
                 "communication_backend": str(lp.get("communication", "")),
                 "runs_as": str(lp.get("runs_as", "")),
             })
+        graphs = getattr(engine.batching, "graphs", None)
+        if graphs is not None:
+            self.describe_graphs(graphs)
         label = {"model_name": self.model_name}
         self.running.labels(**label).set_function(lambda: engine.num_running)
         self.waiting.labels(**label).set_function(lambda: engine.num_waiting)
         self.kv_usage.labels(**label).set_function(lambda: engine.kv_cache_usage)
+
+    def describe_graphs(self, graphs) -> None:
+        """Whether decode replays CUDA graphs (a :class:`~moe_runtime.serve.batching.GraphChoice`)."""
+        self.cuda_graphs.clear()
+        size = "" if graphs.max_tokens is None else str(graphs.max_tokens)
+        self.cuda_graphs.labels(max_tokens=size, reason=graphs.reason).set(1 if graphs.on else 0)
 
     def finished_http(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

@@ -77,3 +77,27 @@ def test_metrics_show_each_moe_layer_backend_from_the_plan(http):
 def test_metrics_name_the_model(http, server):
     info = _metrics(http)["moe_runtime_model_info"]
     assert [s.labels["model"] for s in info.samples] == [server.model]
+
+
+def test_metrics_say_decode_runs_eagerly_on_a_cpu_and_why(http, server):
+    family = _metrics(http)["moe_runtime_decode_cuda_graphs"]
+    assert family.type == "gauge"
+    [sample] = family.samples
+    assert sample.value == 0
+    assert sample.labels["max_tokens"] == ""
+    assert sample.labels["reason"] == "the model runs on cpu; CUDA graphs need a CUDA device"
+    # the sentence the start-up log gives for the choice
+    assert server.lines_with("CUDA graphs off: " + sample.labels["reason"])
+
+
+def test_the_cuda_graphs_gauge_shows_the_capture_bound_when_on():
+    from moe_runtime.serve.batching import GraphChoice
+    from moe_runtime.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name="m")
+    metrics.describe_graphs(GraphChoice(False, "first", None))
+    metrics.describe_graphs(GraphChoice(True, "decode replayed", 48))
+    [family] = [f for f in text_string_to_metric_families(metrics.render().decode())
+                if f.name == "moe_runtime_decode_cuda_graphs"]
+    assert [(s.value, s.labels) for s in family.samples] == [
+        (1.0, {"max_tokens": "48", "reason": "decode replayed"})]
