@@ -16,9 +16,8 @@ from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name
 # generation_config.json fields used as sampling defaults (as vLLM reads them), and their names
 # in a request
 SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                     "max_new_tokens": "max_tokens"}
-# generation_config.json fields vLLM also reads that this server does not apply (logged at start)
-UNAPPLIED_DEFAULTS = ("repetition_penalty", "min_p")
+                     "max_new_tokens": "max_tokens", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "tokenizer_config.json")
 
@@ -182,19 +181,29 @@ def generation_defaults(folder: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
     out = {}
-    if isinstance(data, dict):
-        ignored = {k: data[k] for k in UNAPPLIED_DEFAULTS if k in data and data[k] not in (1.0, 0.0)}
-        if ignored:
-            import logging
-
-            logging.getLogger("moe_runtime.serve").warning(
-                "%s sets %s, which this server does not apply", file,
-                ", ".join(f"{k}={v}" for k, v in ignored.items()))
     for key, field in SAMPLING_DEFAULTS.items():
         value = data.get(key) if isinstance(data, dict) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[field] = int(value) if key in ("top_k", "max_new_tokens") else float(value)
+    _check_sampling_defaults(file, out)
     return out
+
+
+def _check_sampling_defaults(file: Path, defaults: dict) -> None:
+    """Refuse at start a generation config whose defaults every request would inherit and fail on."""
+    from moe_runtime.serve.sampling import SamplingError, SamplingParams
+
+    fields = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    if "top_k" in fields and fields["top_k"] == -1:
+        fields["top_k"] = 0  # -1: no top-k, as vLLM reads it
+    try:
+        SamplingParams(**fields)
+    except SamplingError as exc:
+        raise LoadError(f"{file}: its sampling defaults are not usable: {exc} (fix the file, or "
+                        "serve with --generation-config vllm to ignore it)") from exc
+    if "max_tokens" in defaults and defaults["max_tokens"] < 1:
+        raise LoadError(f"{file}: max_new_tokens is {defaults['max_tokens']}; a default must be "
+                        "at least 1 (or serve with --generation-config vllm to ignore it)")
 
 
 def _require_served_architecture(path: Path) -> None:

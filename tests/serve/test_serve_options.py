@@ -262,17 +262,28 @@ def test_help_names_the_vllm_options_and_their_aliases():
         assert option in r.stdout, option
 
 
-def test_generation_defaults_are_only_what_the_file_sets(tmp_path, caplog):
+def test_generation_defaults_are_only_what_the_file_sets(tmp_path):
     from moe_runtime.serve.loading import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
         "max_new_tokens": 64, "repetition_penalty": 1.1, "eos_token_id": [1, 2]}))
-    with caplog.at_level("WARNING", logger="moe_runtime.serve"):
-        defaults = generation_defaults(tmp_path)
-    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
-    assert "repetition_penalty=1.1, which this server does not apply" in caplog.text
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64,
+                        "repetition_penalty": 1.1}
     assert generation_defaults(tmp_path / "nothing-here") == {}
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"top_p": 0}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens")])
+def test_unusable_generation_defaults_are_refused_at_start(tmp_path, fields, named):
+    from moe_runtime.serve.loading import LoadError, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+    with pytest.raises(LoadError, match=named) as err:
+        generation_defaults(tmp_path)
+    assert "generation_config.json" in str(err.value) and "--generation-config vllm" in str(err.value)
 
 
 @pytest.mark.parametrize("value, expected", [("vllm", None), ("none", None), ("auto", "auto")])
