@@ -416,9 +416,8 @@ def comm_round_trip(registry: Registry, case: CommCase, rank: int, group, device
 def _comm_worker(rank, world, port, registry_kwargs, case, seed, queue):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     try:
         reg = Registry.load(**registry_kwargs)
         queue.put((rank, comm_round_trip(reg, case, rank, None, "cpu", seed), None))
