@@ -92,6 +92,7 @@ def main():
         row = {"row": label, "pairs": P, "experts": E, "block_m": bm}
         for name, flag in (("per_pair_atomics", False), ("sorted_per_program", True)):
             ops.ROUTE_SORTED_COUNT = flag
+            ops.ROUTE_SORTED_MIN_PAIRS = 0  # each form at every size
             sid.fill_(-7)
             ops.route_into(ids, E, bm, sid, bexp)
             torch.cuda.synchronize()

@@ -36,8 +36,12 @@ TINY_ROUTE_MAX_PAIRS = 64
 DECODE_MAX_PAIRS = 16  # the heuristic's bound for the two-kernel decode path
 PACK_SLICE_BYTES = 64 << 20  # NVFP4 weight rewrite at load, per slice
 SMALL_ROUTE_MAX_PAIRS = 4096
-# large-P counts: sort each program's pairs and take one atomic per (program, expert)
+# large-P counts: sort each program's pairs and take one atomic per (program, expert), from
+# ROUTE_SORTED_MIN_PAIRS pairs on: on the H200 one atomic per pair was faster up to 40,960 pairs
+# (13.0 vs 15.7 us at 32,768) and the sorted count faster at 163,840 (26.9 vs 35.3 us),
+# benchmarks/bench_routing.py, RESULTS.md "Routing kernels timed apart"
 ROUTE_SORTED_COUNT = os.environ.get("MOE_TRITON_ROUTE_SORTED", "1") != "0"
+ROUTE_SORTED_MIN_PAIRS = 65536
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 EXACT_FP8 = INTERPRET
 # inline PTX for the NVFP4 decode on GPUs; the interpreter runs the portable form
@@ -303,7 +307,7 @@ def route_into(topk_ids: torch.Tensor, E: int, block_m: int, sorted_ids: torch.T
         block = 1024
         grid = triton.cdiv(P, block)
         fill_per = triton.cdiv(triton.cdiv(R, grid), block) * block
-        if ROUTE_SORTED_COUNT:
+        if ROUTE_SORTED_COUNT and P >= ROUTE_SORTED_MIN_PAIRS:
             K.route_count_sorted_kernel[(grid,)](ids, counts, rank, sorted_ids, P, E, R, fill_per,
                                                  BLOCK=block, E_P2=max(16, e_p2), num_warps=4)
         else:

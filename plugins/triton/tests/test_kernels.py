@@ -295,9 +295,13 @@ def test_routing_small_path(device):
     _check_routing(ids, 6, 16)
 
 
-def test_routing_large_path(device):
-    # more pairs than the one-program path takes: the count/offsets/scatter kernels
+@pytest.mark.parametrize("sorted_from", [0, None], ids=["sorted_count", "per_pair_atomics"])
+def test_routing_large_path(device, monkeypatch, sorted_from):
+    # more pairs than the one-program path takes: the count/offsets/scatter kernels, with either
+    # count kernel (the sorted one runs from ops.ROUTE_SORTED_MIN_PAIRS pairs on)
     ids = torch.randint(-1, 33, (ops.SMALL_ROUTE_MAX_PAIRS // 2 + 7, 2), device=device)
+    monkeypatch.setattr(ops, "ROUTE_SORTED_MIN_PAIRS",
+                        sorted_from if sorted_from is not None else ids.numel() + 1)
     _check_routing(ids, 33, 64)
 
 
