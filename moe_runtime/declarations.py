@@ -8,6 +8,7 @@ these records; nothing else in the project says what a backend supports.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from typing import TYPE_CHECKING, Iterable
 
@@ -206,6 +207,10 @@ class Support:
         degradation, reported by the planner (``nvfp4_w4a4`` weights run as ``nvfp4_w4a16``).
     :param shape_multiple: hidden and intermediate sizes must be multiples of this.
     :param note: a sentence for people, shown with the plan when this entry is chosen.
+    :param prepared_bytes_per_weight: bytes per expert weight the backend holds after
+        ``prepare`` (scales included), when it keeps its own copy of another size (a float32
+        copy: ``4.0``); ``None``: the format's storage (:attr:`WeightFormat.bytes_per_weight`).
+        The memory estimate of a plan that chooses this block counts this.
     """
 
     formats: frozenset[str] = attrs.field(converter=_fs)
@@ -216,6 +221,7 @@ class Support:
     runs_as: str | None = None
     shape_multiple: int = 1
     note: str = ""
+    prepared_bytes_per_weight: float | None = None
 
     def check(
         self,
@@ -280,6 +286,20 @@ def _check_backend(spec, supports, what: str) -> None:
         raise ValueError(f"backend {spec.name!r}: factory {spec.factory!r} must be 'module:Class'")
 
 
+def _check_prepared_bytes(backend: str, support: Support) -> None:
+    value = support.prepared_bytes_per_weight
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"experts backend {backend!r}: the Support block of {_listed(support.formats)} "
+            f"declares "
+            f"prepared_bytes_per_weight={value!r}; accepted: a positive finite number of bytes per "
+            "expert weight the backend holds after prepare (4.0 for a float32 copy), or None for "
+            "the format's storage")
+
+
 def _requires(supports) -> frozenset[str]:
     return frozenset(m for s in supports for m in s.hardware.requires)
 
@@ -306,6 +326,8 @@ class ExpertsBackendSpec:
     @supports.validator
     def _check(self, _attr, value):
         _check_backend(self, value, "Support block")
+        for support in value:
+            _check_prepared_bytes(self.name, support)
 
     def requires(self) -> frozenset[str]:
         return _requires(self.supports)

@@ -110,6 +110,8 @@ class LayerPlan:
     ``modes`` lists the communication modes in the order they are tried per batch: the first whose
     bound admits the batch is used (e.g. DeepEP low-latency for decode batches, normal mode for the
     rest). ``comm_mode``/``layout``/``payload`` describe the last one, which admits every batch.
+    ``prepared_bytes_per_weight`` is the chosen block's declaration (:class:`Support`): bytes per
+    expert weight the backend holds after ``prepare``; ``None``: the format's storage.
     """
 
     problem: LayerProblem
@@ -123,6 +125,7 @@ class LayerPlan:
     notes: tuple[str, ...] = ()
     alternatives: tuple[str, ...] = ()
     modes: tuple[ModeChoice, ...] = ()
+    prepared_bytes_per_weight: float | None = None
 
     def mode_for(self, tokens_per_rank: int) -> ModeChoice:
         """The mode a batch of ``tokens_per_rank`` tokens (the largest over ranks) uses."""
@@ -149,6 +152,7 @@ class LayerPlan:
             "notes": list(self.notes),
             "alternatives": list(self.alternatives),
             "modes": [m.to_json() for m in self.modes],
+            "prepared_bytes_per_weight": self.prepared_bytes_per_weight,
             "problem": attrs.asdict(self.problem),
         }
 
@@ -162,6 +166,7 @@ class LayerPlan:
             degradations=tuple(data.get("degradations", ())), notes=tuple(data.get("notes", ())),
             alternatives=tuple(data.get("alternatives", ())),
             modes=tuple(ModeChoice.from_json(m) for m in data.get("modes", ())),
+            prepared_bytes_per_weight=data.get("prepared_bytes_per_weight"),
         )
 
 
@@ -588,6 +593,7 @@ def _layer_plan(p: LayerProblem, pairing: _Pairing, accepting: list[str], regist
         layout=last.layout, payload=last.payload, runs_as=opt.runs_as,
         degradations=tuple(degradations), notes=tuple(notes),
         alternatives=tuple(n for n in accepting if n != opt.spec.name), modes=tuple(chosen),
+        prepared_bytes_per_weight=opt.support.prepared_bytes_per_weight,
     )
 
 

@@ -33,11 +33,16 @@ REFERENCE = ExpertsBackendSpec(
 )
 
 
+# cpu_dequantized keeps a float32 copy of the experts (its COMPUTE_DTYPE): the one number its
+# declaration (prepared_bytes_per_weight, read by the memory estimate) and its notes share.
+FLOAT32_BYTES = 4.0
+
+
 def _float32_copy(*fmts: str) -> str:
     """What a float32 copy of the weights of ``fmts`` costs, from the formats' own records."""
     stored = {f.name: f.bytes_per_weight for f in F.BUILTIN_FORMATS}[fmts[0]]
-    return (f"float32 GEMMs on a copy of the weights dequantized at load: 4 bytes per weight, "
-            f"{4 / stored:.1f}x the {'/'.join(fmts)} weights")
+    return (f"float32 GEMMs on a copy of the weights dequantized at load: {FLOAT32_BYTES:g} "
+            f"bytes per weight, {FLOAT32_BYTES / stored:.1f}x the {'/'.join(fmts)} weights")
 
 
 CPU = Hardware(devices=("cpu",))
@@ -48,23 +53,24 @@ CPU_DEQUANTIZED = ExpertsBackendSpec(
         Support(
             formats=(F.BF16, F.FP16), activations=(F.SILU, F.GELU),
             layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU,
-            note=_float32_copy(F.BF16, F.FP16),
+            prepared_bytes_per_weight=FLOAT32_BYTES, note=_float32_copy(F.BF16, F.FP16),
         ),
         Support(
             formats=(F.NVFP4_W4A16,), activations=(F.SILU, F.GELU),
             layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU,
-            note=_float32_copy(F.NVFP4_W4A16),
+            prepared_bytes_per_weight=FLOAT32_BYTES, note=_float32_copy(F.NVFP4_W4A16),
         ),
         Support(
             formats=(F.FP8_W8A8,), activations=(F.SILU, F.GELU),
             layouts=(F.TOKEN_MAJOR, F.MASKED), payloads=(F.UNQUANTIZED, F.FP8), hardware=CPU,
+            prepared_bytes_per_weight=FLOAT32_BYTES,
             note="activations quantized to fp8 per tensor with the checkpoint's input scales "
                  "(quantize-dequantize); " + _float32_copy(F.FP8_W8A8),
         ),
         Support(
             formats=(F.NVFP4_W4A4,), activations=(F.SILU, F.GELU),
             layouts=(F.TOKEN_MAJOR, F.MASKED), hardware=CPU, runs_as=F.NVFP4_W4A16,
-            note=_float32_copy(F.NVFP4_W4A4),
+            prepared_bytes_per_weight=FLOAT32_BYTES, note=_float32_copy(F.NVFP4_W4A4),
         ),
     ),
     priority=3,
