@@ -258,6 +258,11 @@ def cmd_plan(args) -> int:
                               "rejections": rej}, indent=2))
         print("error: " + "\n".join(group_layer_lines(str(exc).splitlines())), file=sys.stderr)
         return 1
+    # the experts as the planned backends hold them (cpu_dequantized: a float32 copy)
+    report = report.with_plan(plan)
+    for finding in report.findings:
+        if finding not in warnings:
+            print(f"warning: {finding.paragraph}", file=sys.stderr)
     if args.json:
         print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json(),
                           "check": report.to_json()}, indent=2))

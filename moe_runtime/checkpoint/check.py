@@ -21,7 +21,10 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
    in its resolved format's dtype with that format's scales;
 7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
    the weights), timed;
-8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine.
+8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine: the
+   experts at their format's storage, or, for a plan (:meth:`CheckReport.with_plan`, the
+   ``plan`` argument), at the bytes per weight each layer's planned backend holds after
+   ``prepare`` (``cpu_dequantized``'s float32 copy).
 
 :func:`require_sound_checkpoint` runs the check and raises :class:`CheckpointRefused`; a clean
 result is remembered per folder state, so the loaders that call it one after the other pay once.
@@ -48,6 +51,7 @@ from moe_runtime.checkpoint.memory import (
     estimate_memory,
     human,
     memory_problem,
+    memory_remedies,
 )
 from moe_runtime.checkpoint.quant_config import (
     ALGO_FORMATS,
@@ -160,10 +164,25 @@ class CheckReport:
     machine: MachineMemory | None = None
     seconds: float = 0.0
     config_only: bool = False  # no weight files (accepted when not required): tensors unchecked
+    # what the estimate was made from (config, MoE layers, its keyword arguments): with_plan's input
+    estimate_inputs: tuple | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.findings
+
+    def with_plan(self, plan) -> CheckReport:
+        """This report with the memory estimated for ``plan`` (each MoE layer's experts at its
+        planned backend's bytes per weight after ``prepare``) and compared again with the same
+        machine: the memory finding is replaced by the planned one, or dropped when it fits."""
+        if self.estimate_inputs is None:
+            return self
+        config, layers, kwargs = self.estimate_inputs
+        estimate = estimate_memory(config, layers, **kwargs, plan=plan)
+        findings = [f for f in self.findings if f.rule != "memory"]
+        finding = _memory_finding(self.path, estimate, self.machine)
+        return attrs.evolve(self, findings=findings + ([finding] if finding else []),
+                            memory=estimate)
 
     def rules(self) -> set[str]:
         return {f.rule for f in self.findings}
@@ -212,7 +231,8 @@ _PROBE = "probe"
 
 def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _PROBE,
                      batch_size: int = 1, context_tokens: int | None = None,
-                     ep_size: int = 1, weights_required: bool = True) -> CheckReport:
+                     ep_size: int = 1, weights_required: bool = True,
+                     plan: Any = None) -> CheckReport:
     """Check the checkpoint folder ``path``; never raises for what is wrong with the folder.
 
     :param device: where the model would be loaded (``"cpu"``, ``"cuda:0"``): whose memory the
@@ -225,21 +245,29 @@ def check_checkpoint(path: str | Path, *, device: str = "cpu", machine: Any = _P
     :param weights_required: ``False`` accepts a folder of config files alone (planning a
         published config before its weights are downloaded): the tensor rules are then skipped
         and the report says so.
+    :param plan: the :class:`~moe_runtime.planner.Plan` that will serve: the memory estimate
+        counts each MoE layer's experts as its planned backend holds them (a plan made after
+        the check: :meth:`CheckReport.with_plan`).
     """
     start = time.perf_counter()
     c = _Check(Path(path), weights_required=weights_required)
-    c.run(batch_size=batch_size, context_tokens=context_tokens, ep_size=ep_size)
+    c.run(batch_size=batch_size, context_tokens=context_tokens, ep_size=ep_size, plan=plan)
     if machine == _PROBE:
         machine = MachineMemory.probe(device) if c.estimate is not None else None
-    if c.estimate is not None and machine is not None:
-        problem = memory_problem(c.estimate, machine)
-        if problem:
-            c.add("memory", str(c.folder), problem,
-                  "a machine with that much memory, a smaller --max-batch-size or "
-                  "--max-model-len, or a checkpoint whose config declares smaller sizes")
+    finding = _memory_finding(c.folder, c.estimate, machine)
+    if finding is not None:
+        c.findings.append(finding)
     return CheckReport(c.folder, c.findings, len(c.tensors), c.scale_count, c.scale_bytes,
                        c.scale_seconds, c.estimate, machine, time.perf_counter() - start,
-                       c.config_only)
+                       c.config_only, c.estimate_inputs)
+
+
+def _memory_finding(folder: Path, estimate: MemoryEstimate | None,
+                    machine: MachineMemory | None) -> Finding | None:
+    if estimate is None or machine is None:
+        return None
+    problem = memory_problem(estimate, machine)
+    return Finding("memory", str(folder), problem, memory_remedies(estimate)) if problem else None
 
 
 _CLEAN: dict[tuple, CheckReport] = {}
@@ -273,6 +301,15 @@ def require_sound_checkpoint(path: str | Path, *, device: str = "cpu", batch_siz
     return report
 
 
+def require_memory_for_plan(report: CheckReport, plan) -> CheckReport:
+    """``report.with_plan(plan)`` (:meth:`CheckReport.with_plan`), raising
+    :class:`CheckpointRefused` when the experts as the plan's backends hold them do not fit."""
+    planned = report.with_plan(plan)
+    if not planned.ok:
+        raise CheckpointRefused(planned)
+    return planned
+
+
 class _Check:
     """The state of one check: the findings so far and what the earlier rules read."""
 
@@ -287,6 +324,7 @@ class _Check:
         self.scale_count = self.scale_bytes = 0
         self.scale_seconds = 0.0
         self.estimate: MemoryEstimate | None = None
+        self.estimate_inputs: tuple | None = None
         self._stored_experts: dict[str, set[int]] | None = None
 
     def add(self, rule: str, where: str, problem: str, accepted: str = "") -> None:
@@ -295,7 +333,8 @@ class _Check:
     def add_error(self, rule: str, exc: CheckpointError) -> None:
         self.findings.append(Finding(rule, "", str(exc)))
 
-    def run(self, *, batch_size: int, context_tokens: int | None, ep_size: int) -> None:
+    def run(self, *, batch_size: int, context_tokens: int | None, ep_size: int,
+            plan: Any = None) -> None:
         if not self.check_folder():
             return
         self.check_json()
@@ -309,10 +348,11 @@ class _Check:
             self.check_scales()
         if self.config is not None and structure is not None and (
                 spec is not None or not layers):
-            self.estimate = estimate_memory(
-                self.config, layers or [], batch_size=batch_size, context_tokens=context_tokens,
-                ep_size=ep_size,
-                kv_cache_quant_algo=spec.kv_cache_quant_algo if spec else None)
+            kwargs = {"batch_size": batch_size, "context_tokens": context_tokens,
+                      "ep_size": ep_size,
+                      "kv_cache_quant_algo": spec.kv_cache_quant_algo if spec else None}
+            self.estimate_inputs = (self.config, list(layers or []), kwargs)
+            self.estimate = estimate_memory(self.config, layers or [], **kwargs, plan=plan)
 
     # ------------------------------------------------------------------ 1. folder and files
 

@@ -5,8 +5,11 @@ name the field to blame:
 
 - weights: embeddings and ``lm_head`` (``vocab_size x hidden_size``), attention, dense MLPs and,
   per MoE layer, ``num_experts x 3 x hidden x intermediate`` at the layer format's bytes per weight
-  (:class:`moe_runtime.formats.WeightFormat`); other linears are held in the model dtype, since
-  the loader dequantizes them;
+  (:class:`moe_runtime.formats.WeightFormat`), or, given a plan, at the bytes per weight the
+  layer's planned experts backend holds after ``prepare`` where it declares its own copy
+  (:attr:`moe_runtime.declarations.Support.prepared_bytes_per_weight`: ``cpu_dequantized``
+  keeps float32, 4 bytes per weight); other linears are held in the model dtype, since the
+  loader dequantizes them;
 - KV cache: what the server's paged cache holds, ``batch x context`` tokens of keys and values in
   every attention layer (one byte per element with an FP8 KV cache);
 - activations: one forward of the largest token batch the server schedules, in float32.
@@ -20,13 +23,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from moe_runtime import formats
 from moe_runtime.dtypes import MODEL_DTYPES, config_dtype, model_dtype_name
 from moe_runtime.placement import local_experts
+
+if TYPE_CHECKING:
+    from moe_runtime.planner import Plan
 
 GiB = 1 << 30
 _BYTES_PER_WEIGHT = {f.name: f.bytes_per_weight for f in formats.BUILTIN_FORMATS}
@@ -58,12 +64,39 @@ class MemoryPart:
 
 
 @attrs.frozen
+class BackendCopy:
+    """An experts backend of the plan that holds its own copy of a layer's experts: its
+    declared bytes per weight after ``prepare``, and what the checkpoint's format stores."""
+
+    backend: str
+    format: str
+    bytes_per_weight: float
+    stored_bytes_per_weight: float
+    layers: int
+    alternatives: tuple[str, ...] = attrs.field(converter=tuple, default=())
+
+    @property
+    def described(self) -> str:
+        return (f"{self.backend} holds {self.bytes_per_weight:g} bytes per weight after prepare, "
+                f"{self.bytes_per_weight / self.stored_bytes_per_weight:.1f}x the "
+                f"{self.format} storage")
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self, recurse=False) | {"alternatives": list(self.alternatives)}
+
+
+@attrs.frozen
 class MemoryEstimate:
-    """What serving needs: parts of the weights, the KV cache and the activations."""
+    """What serving needs: parts of the weights, the KV cache and the activations.
+
+    ``backend_copies`` lists the planned experts backends counted at their own copy's size
+    (empty without a plan, or when every backend holds the format's storage).
+    """
 
     parts: tuple[MemoryPart, ...] = attrs.field(converter=tuple)
     batch_size: int
     context_tokens: int
+    backend_copies: tuple[BackendCopy, ...] = attrs.field(converter=tuple, default=())
 
     @property
     def total(self) -> int:
@@ -77,7 +110,8 @@ class MemoryEstimate:
         return {"total_bytes": self.total, "batch_size": self.batch_size,
                 "context_tokens": self.context_tokens,
                 "parts": [{"name": p.name, "bytes": p.bytes, "fields": dict(p.fields)}
-                          for p in self.parts]}
+                          for p in self.parts],
+                "backend_copies": [c.to_json() for c in self.backend_copies]}
 
 
 @attrs.frozen
@@ -143,10 +177,13 @@ def _int(fields: dict, key: str, default: int = 0) -> int:
 
 def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: str | None = None,
                     batch_size: int = 1, context_tokens: int | None = None,
-                    ep_size: int = 1) -> MemoryEstimate:
+                    ep_size: int = 1, plan: Plan | None = None) -> MemoryEstimate:
     """The memory serving needs, from config.json (``config``) and the resolved MoE layers.
 
     :param moe_layers: the :class:`MoELayerInfo` records (their count, shapes and formats).
+    :param plan: the plan that will serve: each MoE layer it plans counts its experts at the
+        planned backend's declared bytes per weight after ``prepare``
+        (:attr:`LayerPlan.prepared_bytes_per_weight`), not the format's storage.
     :param context_tokens: tokens per sequence (default: ``max_position_embeddings``).
     :param ep_size: expert-parallel ranks: one rank holds ``ceil(num_experts / ep_size)`` experts
         of each layer (the estimate is one rank's).
@@ -186,18 +223,20 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
         parts.append(MemoryPart("dense MLP weights", dense * 3 * hidden * dense_inter * dbytes,
                                 [("dense layers", dense), ("hidden_size", hidden),
                                  ("intermediate_size", dense_inter)]))
+    copies: tuple[BackendCopy, ...] = ()
     if moe_layers:
         first = moe_layers[0]
         # the busiest rank: rank 0 holds the most experts (moe_runtime.placement)
         local = [len(local_experts(m.num_experts, max(1, ep_size), 0)) for m in moe_layers]
+        held, copies = _held_bytes_per_weight(moe_layers, plan, dbytes)
         expert_bytes = sum(
-            n * 3 * m.hidden_size * m.intermediate_size
-            * _BYTES_PER_WEIGHT.get(m.quant.format, dbytes)
+            n * 3 * m.hidden_size * m.intermediate_size * b
             + m.num_experts * m.hidden_size * dbytes  # router
             + 3 * m.hidden_size * m.shared_expert_intermediate_size * dbytes
-            for m, n in zip(moe_layers, local, strict=True))
+            for m, n, b in zip(moe_layers, local, held, strict=True))
+        held_by = f" ({'; '.join(c.described for c in copies)})" if copies else ""
         parts.append(MemoryPart(
-            f"expert weights of {len(moe_layers)} MoE layers", int(expert_bytes),
+            f"expert weights of {len(moe_layers)} MoE layers{held_by}", int(expert_bytes),
             [("num_experts", first.num_experts), *([("ep_size", ep_size)] if ep_size > 1 else []),
              ("hidden_size", first.hidden_size),
              ("moe_intermediate_size", first.intermediate_size)]))
@@ -218,7 +257,29 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
     widest, widest_fields = max(widths, key=lambda w: w[0])
     parts.append(MemoryPart("activations", tokens * (4 * hidden + widest) * 4,
                             [("tokens per forward", tokens), *widest_fields]))
-    return MemoryEstimate(parts, batch_size, context)
+    return MemoryEstimate(parts, batch_size, context, copies)
+
+
+def _held_bytes_per_weight(moe_layers, plan: Plan | None, dbytes: int
+                           ) -> tuple[list[float], tuple[BackendCopy, ...]]:
+    """Each layer's bytes per expert weight once served, and the backends that hold a copy."""
+    planned = {lp.problem.name: lp for lp in plan.layers} if plan is not None else {}
+    held: list[float] = []
+    copies: dict[tuple[str, str, float], list] = {}
+    for m in moe_layers:
+        stored = _BYTES_PER_WEIGHT.get(m.quant.format, dbytes)
+        lp = planned.get(m.name)
+        if lp is None or lp.prepared_bytes_per_weight is None:
+            held.append(stored)
+            continue
+        held.append(lp.prepared_bytes_per_weight)
+        if lp.prepared_bytes_per_weight != stored:
+            entry = copies.setdefault((lp.experts, m.quant.format, lp.prepared_bytes_per_weight),
+                                      [stored, 0, {}])
+            entry[1] += 1
+            entry[2].update(dict.fromkeys(lp.alternatives))
+    return held, tuple(BackendCopy(backend, fmt, b, stored, n, tuple(alts))
+                       for (backend, fmt, b), (stored, n, alts) in copies.items())
 
 
 def memory_problem(estimate: MemoryEstimate, machine: MachineMemory) -> str | None:
@@ -228,6 +289,24 @@ def memory_problem(estimate: MemoryEstimate, machine: MachineMemory) -> str | No
     top = sorted(estimate.parts, key=lambda p: -p.bytes)[:2]
     shown = ", then ".join(
         f"{p.described}, {math.floor(100 * p.bytes / estimate.total)}%" for p in top)
+    named = " ".join(p.name for p in top)  # a copy the parts shown do not name is added
+    copies = "".join(
+        f"; the experts of {c.layers} MoE layer(s) are counted as the plan's backend keeps them: "
+        f"{c.described}" for c in estimate.backend_copies if c.described not in named)
     return (f"serving needs about {human(estimate.total)} at batch {estimate.batch_size} x "
             f"{estimate.context_tokens} tokens, but {machine.described}; the largest parts: "
-            f"{shown}")
+            f"{shown}{copies}")
+
+
+def memory_remedies(estimate: MemoryEstimate) -> str:
+    """What would make ``estimate`` smaller, for a refusal's ``accepted`` text."""
+    remedies = []
+    for c in estimate.backend_copies:
+        others = (f" (others that run these layers: {', '.join(c.alternatives)})"
+                  if c.alternatives else "")
+        remedies.append(f"another experts backend pinned with --moe-runner-backend{others}, "
+                        f"since {c.backend} holds a {c.bytes_per_weight:g}-byte copy of every "
+                        "expert weight")
+    remedies += ["a machine with that much memory", "a smaller --max-batch-size or --max-model-len",
+                 "a checkpoint whose config declares smaller sizes"]
+    return ", ".join(remedies[:-1]) + ", or " + remedies[-1]

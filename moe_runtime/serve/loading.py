@@ -91,7 +91,7 @@ def load_for_serving(
         raise LoadError("transformers' own experts take no moe-runtime backend pins")
 
     from moe_runtime.checkpoint import CheckpointError
-    from moe_runtime.checkpoint.check import require_sound_checkpoint
+    from moe_runtime.checkpoint.check import require_memory_for_plan, require_sound_checkpoint
     from moe_runtime.checkpoint.tensors import WeightError
     from moe_runtime.planner import PlanError
     from moe_runtime.plugin.registry import Registry
@@ -101,9 +101,11 @@ def load_for_serving(
         _require_served_architecture(path)
         # Check the folder, then plan (no transformers import, no weights): in seconds, so a
         # refused pin fails before the model is built.
-        require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size)
+        report = require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size)
         plan = None if transformers_experts else plan_for_serving(
             path, device, deployment, registry, tuning_cache=tuning_cache)
+        if plan is not None:  # the experts as the planned backends hold them (a float32 copy)
+            require_memory_for_plan(report, plan)
         from tqdm.auto import tqdm
         from transformers import AutoTokenizer, GenerationConfig
 
