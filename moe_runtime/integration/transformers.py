@@ -219,7 +219,7 @@ def load_model(
     layer reads each batch's own size instead (a shape, no synchronisation either).
     """
     from moe_runtime.checkpoint import read_checkpoint
-    from moe_runtime.checkpoint.check import require_sound_checkpoint
+    from moe_runtime.checkpoint.check import require_memory_for_plan, require_sound_checkpoint
     from moe_runtime.planner import Deployment, Plan
 
     model_dir = Path(model_dir)
@@ -227,8 +227,8 @@ def load_model(
         plan = Plan.from_json(plan)
     if plan is not None and deployment is None:
         deployment = plan.deployment
-    require_sound_checkpoint(model_dir, device=device,  # every finding, before any allocation
-                             ep_size=ep_size or getattr(deployment, "ep_size", 1))
+    report = require_sound_checkpoint(  # every finding, before any allocation
+        model_dir, device=device, ep_size=ep_size or getattr(deployment, "ep_size", 1))
     ckpt = read_checkpoint(model_dir)
     dtype = _load_dtype(dtype, ckpt)
     deployment = deployment or Deployment()
@@ -242,6 +242,7 @@ def load_model(
         registry, plan = _plan_for_load(ckpt, plan, registry=registry, environment=environment,
                                         deployment=deployment, device=device, ep_size=ep_size,
                                         group=group, timeout=agreement_timeout)
+        require_memory_for_plan(report, plan)  # the experts as the planned backends hold them
         place = _ExpertsPlacement(plan, registry, deployment, ep_rank, ep_size, group,
                                   max_tokens_per_forward)
 
