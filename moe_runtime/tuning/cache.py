@@ -20,6 +20,7 @@ distribution, version and status, as plan agreement compares them). Reading a ca
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -154,33 +155,63 @@ def _need(data: dict, field: str, kind, where: str):
     return value
 
 
+#: the JSON type of each field of a measurement's problem and candidate; a field not named here
+#: (a later moe-runtime's) must be a string or an integer, so that the record can be a table key
+FIELD_TYPES = {"format": str, "activation": str, "num_experts": int, "top_k": int,
+               "hidden_size": int, "intermediate_size": int, "dtype": str, "ep_size": int,
+               **{f: str for f in CANDIDATE_FIELDS}}
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _record(data, field: str, fields: Sequence[str], where: str) -> dict:
+    record = _need(data, field, dict, where)
+    missing = [f for f in fields if f not in record]
+    if missing:
+        raise CacheFormatError(f"{where}.{field} lacks {', '.join(missing)}")
+    for name, value in record.items():
+        kind = FIELD_TYPES.get(name, (str, int))
+        if not isinstance(value, kind) or isinstance(value, bool):
+            names = "str or int" if isinstance(kind, tuple) else kind.__name__
+            raise CacheFormatError(f"{where}.{field}.{name} is {_shown(value)}, expected {names}")
+    return record
+
+
+def _microseconds(data, field: str, where: str) -> float:
+    """A time of ``data``: a positive finite number of microseconds."""
+    raw = _need(data, field, (int, float), where)
+    try:
+        value = float(raw)
+    except OverflowError:  # an integer beyond any float
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise CacheFormatError(f"{where}.{field} must be a positive finite number, got "
+                               f"{_shown(raw)}")
+    return value
+
+
 def parse_measurement(data, where: str) -> Measurement:
     """A :class:`Measurement` from its JSON, or :class:`CacheFormatError` naming the field."""
-    problem, candidate = _need(data, "problem", dict, where), _need(data, "candidate", dict, where)
-    for fields, record, name in ((PROBLEM_FIELDS, problem, "problem"),
-                                 (CANDIDATE_FIELDS, candidate, "candidate")):
-        missing = [f for f in fields if f not in record]
-        if missing:
-            raise CacheFormatError(f"{where}.{name} lacks {', '.join(missing)}")
+    problem = _record(data, "problem", PROBLEM_FIELDS, where)
+    candidate = _record(data, "candidate", CANDIDATE_FIELDS, where)
     tokens = _need(data, "tokens", int, where)
+    if tokens < 1:
+        raise CacheFormatError(f"{where}.tokens must be at least 1, got {_shown(tokens)}")
     error = data.get("error")
-    median = None if error is not None else _need(data, "median_us", (int, float), where)
-    if tokens < 1 or (median is not None and not median > 0):
-        raise CacheFormatError(f"{where}: tokens must be at least 1 and median_us positive, got "
-                               f"tokens {tokens}, median_us {median}")
+    median = None if error is not None else _microseconds(data, "median_us", where)
     timed = _need(data, "timed", str, where)
     if not (timed == GRAPH or timed.startswith("eager: ")):
         raise CacheFormatError(f"{where}.timed is {timed!r}, expected {GRAPH!r} or "
                                "'eager: <why>'")
-    eager = data.get("eager_us")
-    if median is not None and (timed == GRAPH or eager is not None):
-        eager = _need(data, "eager_us", (int, float), where)
-        if not eager > 0:
-            raise CacheFormatError(f"{where}.eager_us must be positive, got {eager}")
-    return Measurement(problem, candidate, tokens, None if median is None else float(median),
+    eager = None
+    if median is not None and (timed == GRAPH or data.get("eager_us") is not None):
+        eager = _microseconds(data, "eager_us", where)
+    return Measurement(problem, candidate, tokens, median,
                        _need(data, "repeats", int, where), _need(data, "timer", str, where),
-                       _need(data, "measured_at", str, where), error, timed,
-                       None if eager is None or median is None else float(eager))
+                       _need(data, "measured_at", str, where), error, timed, eager)
 
 
 @attrs.frozen
@@ -222,7 +253,9 @@ def read_sections(path: Path) -> list[Section]:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise CacheFormatError(f"cannot be read ({exc})") from None
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise CacheFormatError("not JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, and an integer of too many digits
         raise CacheFormatError(f"not JSON ({exc})") from None
     return parse_cache(data)
 

@@ -190,3 +190,47 @@ def test_how_a_measurement_was_timed_is_checked(tmp_path, registry, timed, eager
     path = tmp_path / "t.json"
     path.write_text(json.dumps(data))
     assert load_tuning(path, CPU, registry).notes[0].endswith(why)
+
+
+def _hostile(field_path, value):
+    def edit(m):
+        *parents, last = field_path
+        for k in parents:
+            m = m[k]
+        m[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_hostile(["median_us"], 10**400), "median_us must be a positive finite number"),
+    (_hostile(["median_us"], float("inf")), "median_us must be a positive finite number"),
+    (_hostile(["median_us"], float("nan")), "median_us must be a positive finite number"),
+    (_hostile(["median_us"], -3), "median_us must be a positive finite number"),
+    (_hostile(["eager_us"], 10**400), "eager_us must be a positive finite number"),
+    (_hostile(["problem", "format"], ["bf16"]), "problem.format is ['bf16'], expected str"),
+    (_hostile(["problem", "top_k"], {"a": 1}), "problem.top_k is {'a': 1}, expected int"),
+    (_hostile(["problem", "top_k"], True), "problem.top_k is True, expected int"),
+    (_hostile(["candidate", "experts"], ["x"]), "candidate.experts is ['x'], expected str"),
+    (_hostile(["candidate", "more"], [1]), "candidate.more is [1], expected str or int"),
+])
+def test_a_hostile_measurement_is_ignored_with_a_note_not_a_crash(tmp_path, registry, edit, why):
+    data = {"schema": SCHEMA, "sections": [measured(registry, CPU, {"reference": 5.0}).to_json()]}
+    edit(data["sections"][0]["measurements"][0])
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    tuning = load_tuning(path, CPU, registry)
+    assert tuning.cache is None
+    (note,) = tuning.notes
+    assert "malformed: sections[0].measurements[0]" in note and why in note
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 100000 + "]" * 100000, "not JSON (nested too deeply)"),
+    ('{"schema": "moe-runtime-tuning/2", "sections": [' + "9" * 5000 + "]}", "not JSON ("),
+])
+def test_json_that_python_cannot_decode_is_ignored_with_a_note(tmp_path, registry, text, why):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    tuning = load_tuning(path, CPU, registry)
+    assert tuning.cache is None
+    assert f"ignored tuning cache {path}: malformed: {why}" in tuning.notes[0]
