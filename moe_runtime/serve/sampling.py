@@ -30,6 +30,10 @@ log = logging.getLogger("moe_runtime.serve")
 
 SLOT_KWARG = "moe_runtime_sampling_slot"
 GREEDY = -1
+# temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by a
+# temperature near 0 overflows to inf, and the draw would then pick among the infinite logits
+# by sort order (the least likely of the positive ones), not the likeliest
+GREEDY_BELOW = 1e-5
 
 
 class SamplingError(ValueError):
@@ -43,7 +47,8 @@ def _check(ok: bool, message: str) -> None:
 
 @attrs.frozen
 class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` (or ``top_k == 1``) is greedy.
+    """How one request picks its tokens. ``temperature`` 0 (below ``GREEDY_BELOW``, as vLLM) or
+    ``top_k == 1`` is greedy.
 
     :param top_k: keep the ``top_k`` likeliest tokens (0: no top-k filter).
     :param min_p: drop tokens less likely than ``min_p`` times the likeliest one (0: off).
@@ -93,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

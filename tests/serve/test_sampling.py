@@ -265,3 +265,14 @@ def test_the_api_never_asks_for_more_alternatives_than_the_sampler_records():
     from moe_runtime.serve import protocol, sampling
 
     assert protocol.MAX_LOGPROBS <= sampling.MAX_LOGPROBS
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_a_temperature_near_zero_is_greedy(temperature):
+    # float32 logits divided by such a temperature overflow to inf; the draw must not then pick
+    # among the infinite logits (it took the least likely positive one)
+    logits = _logits(4, seed=6)
+    s = BatchSampler(V, max_slots=2, max_batch=2)
+    key = s.open(SamplingParams(temperature=temperature, seed=1))
+    assert key == GREEDY
+    assert [_step(s, [key], step)[0] for step in logits] == logits[:, 0].argmax(-1).tolist()
