@@ -3,7 +3,7 @@
 Ranks that chose different backends, modes or payloads would hang in their first all-to-all or
 exchange garbage. So every rank computes its plan's fingerprint (:func:`plan_fields`: the
 moe-runtime version, each plugin's distribution and version, the environment record, the
-deployment, every layer's decision) and :func:`agree_on_plan` compares them:
+deployment, every layer's decision, not its notes) and :func:`agree_on_plan` compares them:
 
 1. each rank writes its fields to the process group's key-value store, under a key of this round;
 2. each waits for the keys of every rank of the group, at most ``timeout`` seconds;
@@ -91,7 +91,9 @@ def plan_fields(plan: Plan, registry) -> PlanFingerprint:
     fields.append(("layers", _json([lp.problem.name for lp in plan.layers])))
     for lp in plan.layers:
         for key, value in lp.to_json().items():
-            if key != "layer":
+            # notes are words on the decisions (how a tie was settled names the tuning cache
+            # read, its path and its times), not decisions: they may differ between ranks
+            if key not in ("layer", "notes"):
                 fields.append((f"layer {lp.problem.name}: {key}", _json(value)))
     return PlanFingerprint(fields)
 
@@ -126,8 +128,8 @@ def mismatch_message(field: str, values: dict[int, str]) -> str:
     return (
         f"expert-parallel ranks planned differently; the first field that differs is "
         f"{field!r}: {parts}. Every rank must load the same plugins at the same versions, see the "
-        "same kind of device and plan the same deployment; every rank stops here, before the "
-        "first forward.")
+        "same kind of device, plan the same deployment and read the same tuning cache (or none: "
+        "--tuning-cache none); every rank stops here, before the first forward.")
 
 
 def compare(by_rank: dict[int, PlanFingerprint]) -> None:
