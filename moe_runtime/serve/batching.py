@@ -231,13 +231,17 @@ class CacheBatcher:
     running request, and drops the rows that finished. Sampling is :class:`BatchSampler`'s.
     With ``max_cache_tokens``, a waiting request joins only while the running rows' prompts and
     ``max_new_tokens`` (the most each can hold) fit in that many tokens; the first always joins.
+    With ``max_forward_tokens`` (at least ``max_batch_size``), no forward carries more tokens:
+    prompts are prefilled (and scored) in chunks of columns.
     """
 
     def __init__(self, model, sampler: BatchSampler, *, max_batch_size: int,
-                 pad_token_id: int, max_cache_tokens: int | None = None) -> None:
+                 pad_token_id: int, max_cache_tokens: int | None = None,
+                 max_forward_tokens: int | None = None) -> None:
         self.model = model
         self.sampler = sampler
         self.max_batch_size = max_batch_size
+        self.max_forward_tokens = max_forward_tokens
         # a request is admitted while the running rows' prompts and max_new_tokens fit in this
         self.max_cache_tokens = max_cache_tokens
         self.pad_token_id = pad_token_id
@@ -377,7 +381,7 @@ class CacheBatcher:
             out = _Output(item.request_id, [], finished=True)
             try:
                 ids = torch.tensor([item.prompt], device=self._device)
-                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                logits = self._score_logits(ids)[0, :-1].float()
                 logp = torch.log_softmax(logits, dim=-1)
                 targets = ids[0, 1:]
                 chosen = logp.gather(-1, targets[:, None])[:, 0].tolist()
@@ -428,6 +432,25 @@ class CacheBatcher:
         if gone:
             self._keep([i for i, r in enumerate(self._rows) if r.request_id not in gone])
 
+    def _chunk(self, rows: int, width: int) -> int:
+        """Columns of a ``rows``-row prefill that one forward may carry."""
+        if not self.max_forward_tokens:
+            return width
+        return max(1, self.max_forward_tokens // rows)
+
+    def _score_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of ``ids`` (one row), in forwards within the bound."""
+        chunk = self._chunk(1, ids.shape[1])
+        if chunk >= ids.shape[1]:
+            return self.model(input_ids=ids, use_cache=False).logits
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        parts = [self.model(input_ids=ids[:, start:start + chunk], use_cache=True,
+                            **{self._cache_kwarg: cache}).logits
+                 for start in range(0, ids.shape[1], chunk)]
+        return torch.cat(parts, dim=1)
+
     def _forward(self, input_ids, mask, positions, cache):
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
@@ -446,7 +469,11 @@ class CacheBatcher:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, positions = (t.to(self._device) for t in (ids, mask, positions))
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)
+        chunk = self._chunk(len(new), longest)
+        for start in range(0, longest, chunk):  # within the token bound, columns at a time
+            end = min(start + chunk, longest)
+            logits = self._forward(ids[:, start:end], mask[:, :end], positions[:, start:end],
+                                   cache)
         self._join(new, cache, mask)
         self._step_tokens(new, logits)
 

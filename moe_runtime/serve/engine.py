@@ -189,7 +189,8 @@ class Engine:
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,
                                max_batch_size=self.batch_cap, pad_token_id=self._pad_id(),
-                               max_cache_tokens=self.kv_cache_tokens)
+                               max_cache_tokens=self.kv_cache_tokens,
+                               max_forward_tokens=self.token_bound)
         batcher.start()
         return batcher
 

@@ -45,3 +45,25 @@ def test_a_seeded_request_draws_alike_alone_and_among_others(loaded, batching):
     assert batched == alone
     assert other_seed != alone
     assert engine.sampler.open_slots == 0
+
+
+def test_dynamic_batching_prefills_within_the_token_bound(loaded, model_dir):
+    # the model refuses a forward over its bound: prompts longer than it are prefilled in chunks
+    bounded = load_for_serving(model_dir, dtype="float32", progress=False,
+                               max_tokens_per_forward=4)
+    greedy = SamplingParams(temperature=0.0)
+    texts = ["Once upon a time, in a land far away", "A much longer prompt than four tokens"]
+    results = {}
+    for name, model, bound in (("free", loaded, None), ("bounded", bounded, 4)):
+        engine = Engine(model, max_batch_size=2, batching="dynamic", max_tokens_per_forward=bound)
+        engine.start()
+        try:
+            prompts = [engine.encode_prompt(t) for t in texts]
+            assert min(len(p) for p in prompts) > 4
+            results[name] = asyncio.run(_run(engine, [(p, greedy) for p in prompts], 6))
+            scored = asyncio.run(engine.prompt_logprobs(prompts[0], 2))  # echo with logprobs
+            results[name + " scored"] = [(r.token, round(r.logprob, 4)) for r in scored[1:]]
+        finally:
+            engine.shutdown()
+    assert results["bounded"] == results["free"]
+    assert results["bounded scored"] == results["free scored"]
