@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -174,6 +175,9 @@ def run_tune(args) -> int:
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value < 1:
             raise SystemExit(f"error: {flag} must be at least 1, got {value}")
+    if not (math.isfinite(args.budget) and args.budget >= 0):
+        raise SystemExit("error: --budget must be a finite number of seconds, 0 or more, got "
+                         f"{args.budget}")
     graph_max = getattr(args, "graph_max_tokens", None)
     graph_max = GRAPH_MAX_TOKENS if graph_max is None else graph_max
     if graph_max < 0:
@@ -189,7 +193,10 @@ def run_tune(args) -> int:
     registry = load_registry(args)
     env = Environment.probe(device=args.device, modules=registry.required_modules())
     device = args.device or env.device
-    backends = [b.strip() for b in args.backends.split(",")] if args.backends else None
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    if backends == []:
+        raise SystemExit(f"error: --backends takes experts backend names separated by commas, got "
+                         f"{args.backends!r}; registered: {', '.join(sorted(registry.experts))}")
     unknown = sorted(set(backends or ()) - set(registry.experts))
     if unknown:
         raise SystemExit(f"error: --backends {', '.join(unknown)}: not registered experts "

@@ -172,3 +172,21 @@ def test_tune_replaces_an_outdated_cache_and_checks_the_graph_bound(checkpoint, 
                 timeout=300)
     assert r.returncode != 0
     assert "--graph-max-tokens must be 0 (no graphs) or more, got -1" in r.stderr
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--budget", "nan"], "--budget must be a finite number of seconds, 0 or more, got nan"),
+    (["--budget", "inf"], "--budget must be a finite number of seconds, 0 or more, got inf"),
+    (["--budget", "-1"], "--budget must be a finite number of seconds, 0 or more, got -1.0"),
+    (["--backends", ","], "--backends takes experts backend names separated by commas, got ','; "
+                          "registered: cpu_dequantized, "),
+])
+def test_tune_refuses_bad_arguments_before_timing_anything(checkpoint, tmp_path, capsys, flags,
+                                                           why):
+    from moe_runtime.cli import main
+
+    path = tmp_path / "tuning.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(checkpoint), "--cache", str(path), "--no-progress", "--tokens", "2",
+              *flags])
+    assert why in str(exc.value) and not path.exists()
