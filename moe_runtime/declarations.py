@@ -286,12 +286,22 @@ def _check_backend(spec, supports, what: str) -> None:
         raise ValueError(f"backend {spec.name!r}: factory {spec.factory!r} must be 'module:Class'")
 
 
+def is_bytes_per_weight(value) -> bool:
+    """Is ``value`` a valid ``prepared_bytes_per_weight`` other than ``None``: a positive finite
+    int or float (not a bool, not an integer beyond any float)?"""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
+
+
 def _check_prepared_bytes(backend: str, support: Support) -> None:
     value = support.prepared_bytes_per_weight
     if value is None:
         return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value <= 0:
+    if not is_bytes_per_weight(value):
         raise ValueError(
             f"experts backend {backend!r}: the Support block of {_listed(support.formats)} "
             f"declares "

@@ -22,6 +22,7 @@ from moe_runtime.declarations import (
     ExpertsBackendSpec,
     Reason,
     Support,
+    is_bytes_per_weight,
 )
 from moe_runtime.environment import Environment
 from moe_runtime.plugin.registry import Registry
@@ -159,6 +160,12 @@ class LayerPlan:
     @classmethod
     def from_json(cls, data: dict) -> LayerPlan:
         """The inverse of :meth:`to_json` (``problem`` holds the layer's sizes)."""
+        held = data.get("prepared_bytes_per_weight")
+        if held is not None and not is_bytes_per_weight(held):
+            raise ValueError(
+                f"layer {data.get('layer')!r}: prepared_bytes_per_weight is {held!r}; accepted: a "
+                "positive finite number (bytes per expert weight after prepare), or null or "
+                "absent for the format's storage")
         return cls(
             problem=LayerProblem(**data["problem"]), experts=data["experts"],
             comm=data["communication"], comm_mode=data["communication_mode"],
@@ -166,7 +173,7 @@ class LayerPlan:
             degradations=tuple(data.get("degradations", ())), notes=tuple(data.get("notes", ())),
             alternatives=tuple(data.get("alternatives", ())),
             modes=tuple(ModeChoice.from_json(m) for m in data.get("modes", ())),
-            prepared_bytes_per_weight=data.get("prepared_bytes_per_weight"),
+            prepared_bytes_per_weight=held,
         )
 
 

@@ -34,7 +34,7 @@ def spec(value) -> ExpertsBackendSpec:
                                                 prepared_bytes_per_weight=value)])
 
 
-@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "4", True])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "4", True, 10**400])
 def test_prepared_bytes_must_be_positive_finite(value):
     with pytest.raises(ValueError) as err:
         spec(value)
@@ -162,3 +162,16 @@ def test_plan_command_warns_with_the_planned_copy(w4a16, tmp_path, capsys):
     check = json.loads(captured.out)["check"]
     assert [f["rule"] for f in check["findings"]] == ["memory"]
     assert check["memory"]["backend_copies"][0]["backend"] == "cpu_dequantized"
+
+
+@pytest.mark.parametrize("value", ["4", -1, 0, True, math.nan, math.inf, 10**400, [4]])
+def test_a_plan_file_with_bad_prepared_bytes_is_not_a_plan(plans, value):
+    from moe_runtime.planner import PlanError
+
+    data = json.loads(json.dumps(plans["cpu_dequantized"].to_json()))
+    data["layers"][0]["prepared_bytes_per_weight"] = value
+    with pytest.raises(PlanError) as err:
+        Plan.from_json(data)
+    assert f"prepared_bytes_per_weight is {value!r}; accepted: a positive finite number" in str(
+        err.value)
+    assert repr(data["layers"][0]["layer"]) in str(err.value)
