@@ -264,9 +264,13 @@ def write_sections(path: Path, sections: Sequence[Section]) -> None:
     """Write atomically (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"schema": SCHEMA, "sections": [s.to_json() for s in sections]},
-                              indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"schema": SCHEMA, "sections": [s.to_json() for s in sections]},
+                                  indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def merge(sections: Sequence[Section], new: Section) -> list[Section]:

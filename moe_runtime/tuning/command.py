@@ -185,6 +185,9 @@ def run_tune(args) -> int:
     path = Path(args.cache).expanduser() if args.cache else default_cache_path()
     if path is None:
         raise SystemExit(f"error: {ENV_VAR} switches the default cache off; name one with --cache")
+    if path.exists() and not path.is_file():
+        raise SystemExit(f"error: the tuning cache {path} exists and is not a file; name a file "
+                         "with --cache")
     try:
         ckpt = read_checkpoint(args.checkpoint)
     except CheckpointError as exc:

@@ -190,3 +190,20 @@ def test_tune_refuses_bad_arguments_before_timing_anything(checkpoint, tmp_path,
         main(["tune", str(checkpoint), "--cache", str(path), "--no-progress", "--tokens", "2",
               *flags])
     assert why in str(exc.value) and not path.exists()
+
+
+def test_tune_refuses_a_cache_path_that_is_a_folder_before_timing(checkpoint, tmp_path):
+    from moe_runtime.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", str(checkpoint), "--cache", str(tmp_path), "--no-progress"])
+    assert f"the tuning cache {tmp_path} exists and is not a file" in str(exc.value)
+
+
+def test_a_cache_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    from moe_runtime.tuning.cache import write_sections
+
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(OSError):
+        write_sections(tmp_path / "folder", [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
