@@ -261,7 +261,9 @@ def read_sections(path: Path) -> list[Section]:
 
 
 def write_sections(path: Path, sections: Sequence[Section]) -> None:
-    """Write atomically (a temporary file renamed into place)."""
+    """Write atomically (a temporary file renamed into place); through a symbolic link, its
+    target is written (a cache shared by a link stays shared)."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -234,3 +234,15 @@ def test_json_that_python_cannot_decode_is_ignored_with_a_note(tmp_path, registr
     tuning = load_tuning(path, CPU, registry)
     assert tuning.cache is None
     assert f"ignored tuning cache {path}: malformed: {why}" in tuning.notes[0]
+
+
+def test_writing_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path, registry):
+    shared = tmp_path / "shared" / "tuning.json"
+    shared.parent.mkdir()
+    write_sections(shared, [])
+    link = tmp_path / "tuning.json"
+    link.symlink_to(shared)
+    section = measured(registry, CPU, {"reference": 50.0})
+    write_sections(link, [section])
+    assert link.is_symlink() and read_sections(shared) == [section]
+    assert load_tuning(link, CPU, registry).cache is not None
