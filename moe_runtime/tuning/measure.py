@@ -16,6 +16,7 @@ reason recorded (``Measurement.timed``).
 from __future__ import annotations
 
 import datetime
+import math
 import statistics
 import time
 from typing import Callable, Iterable, Sequence
@@ -339,10 +340,24 @@ def measure_plan(plan: LayerPlan, weights: ExpertWeights, tokens: Sequence[int],
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory at one token count
             out.append(record(t, None, f"forward: {type(exc).__name__}: {exc}"))
             continue
+        if not_a_time(eager):  # what plan would refuse as malformed is not written
+            out.append(record(t, None, not_a_time(eager)))
+            continue
         graph, timed = graph_timing(executor, batches, case, timer, capture, graph_max_tokens)
+        if not_a_time(graph):
+            graph, timed = None, f"eager: replays: {not_a_time(graph)}"
         out.append(record(t, eager, None, graph, timed))
         del batches
     return out
+
+
+def not_a_time(timing: Timing | None) -> str:
+    """Why ``timing``'s median cannot be a measurement (``""``: it can): it must be a positive
+    finite number of microseconds, as a cache reader requires."""
+    if timing is None or (math.isfinite(timing.median_us) and timing.median_us > 0):
+        return ""
+    return (f"timer: median {timing.median_us} us, not a positive time (below the timer's "
+            "resolution?)")
 
 
 def tune(shapes: Sequence[Shape], tokens: Sequence[int], *, registry, device: str, timer=None,

@@ -207,3 +207,24 @@ def test_a_cache_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         write_sections(tmp_path / "folder", [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_a_time_below_the_timers_resolution_fails_that_measurement_not_the_cache(checkpoint,
+                                                                                  tmp_path):
+    # what tune writes, plan reads: a median of 0 us (CUDA events resolve about 0.5 us) would
+    # make the whole cache malformed for every later plan
+    reg = builtin_registry()
+    problems = problems_from_checkpoint(read_checkpoint(checkpoint))
+    shapes = shapes_to_tune(problems, registry=reg, environment=CPU, tokens=[16])
+    found = tune(shapes, [16], registry=reg, device="cpu",
+                 timer=FakeTimer({"cpu_dequantized": 0.0, "reference": 10.0}))
+    by = {m.candidate["experts"]: m for m in found}
+    assert by["cpu_dequantized"].median_us is None
+    assert by["cpu_dequantized"].error == ("timer: median 0.0 us, not a positive time (below "
+                                           "the timer's resolution?)")
+    path = tmp_path / "tuning.json"
+    write_sections(path, [Section(cache_key(CPU, reg), CPU.to_json(), tuple(found))])
+    tuning = load_tuning(path, CPU, reg)
+    assert tuning.cache is not None, tuning.notes
+    assert {lp.experts for lp in plan_model(problems, registry=reg, environment=CPU,
+                                            tuning=tuning).layers} == {"cpu_dequantized"}

@@ -125,3 +125,12 @@ def test_triton_on_a_tiny_layer_is_timed_as_graph_replays():
                  timer=Timer(warmup=2, repeats=5, budget_s=5.0))
     assert [m.timed for m in found] == ["graph", "graph"], [m.timed for m in found]
     assert all(m.error is None and 0 < m.median_us and m.eager_us > 0 for m in found)
+
+
+def test_replays_timed_at_zero_leave_the_eager_time_and_say_why(registry, shapes):
+    capture, _ = stand_in_capture()
+    (m,) = tune(shapes, [1], registry=registry, device="cpu", timer=TwoTimes(graph=0.0),
+                capture=capture)
+    assert m.median_us == m.eager_us == 300.0 and m.error is None
+    assert m.timed == ("eager: replays: timer: median 0.0 us, not a positive time (below the "
+                       "timer's resolution?)")
