@@ -388,8 +388,12 @@ class TuningCache:
         problem = problem_key(plans[0].problem, dep.ep_size)
         counts = self.token_counts(problem)
         if not counts:
+            sizes = sorted({dict(p)["ep_size"] for (p, _, _) in self.table
+                            if {**dict(p), "ep_size": dep.ep_size} == problem})
+            other = (f" at ep_size {dep.ep_size} (it measured this shape at ep_size "
+                     f"{', '.join(map(str, sizes))})" if sizes else "")
             return None, (f"declared priority decides; cache {self.path} has no measurement of "
-                          "this layer shape")
+                          f"this layer shape{other}")
         bucket = next((t for t in counts if t >= dep.max_tokens_per_rank), counts[-1])
         found = [self.lookup(problem, lp, bucket) for lp in plans]
         timed = [i for i, m in enumerate(found) if m is not None and m.median_us is not None]
