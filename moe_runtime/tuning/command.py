@@ -41,7 +41,9 @@ def tuning_for(args, environment, registry, environ=None) -> Tuning:
     is skipped for a described target (``--target-device``): no machine measured it."""
     given = getattr(args, "tuning_cache", None)
     if given is not None:
-        return Tuning() if given.lower() == "none" else load_tuning(given, environment, registry)
+        if given.strip().lower() in ("", "none"):  # as $MOE_RUNTIME_TUNING_CACHE reads them
+            return Tuning()
+        return load_tuning(given, environment, registry)
     if environment.available is None:
         return Tuning()
     import os

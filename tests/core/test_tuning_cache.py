@@ -246,3 +246,18 @@ def test_writing_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_pat
     write_sections(link, [section])
     assert link.is_symlink() and read_sections(shared) == [section]
     assert load_tuning(link, CPU, registry).cache is not None
+
+
+@pytest.mark.parametrize("given", ["none", "NONE", "", " "])
+def test_tuning_cache_none_or_empty_reads_nothing_even_with_a_default_cache(tmp_path, registry,
+                                                                            given):
+    import argparse
+
+    from moe_runtime.tuning.command import tuning_for
+
+    path = tmp_path / "t.json"
+    write_sections(path, [measured(registry, CPU, {"reference": 50.0})])
+    environ = {ENV_VAR: str(path)}
+    assert tuning_for(argparse.Namespace(tuning_cache=None), CPU, registry, environ).cache
+    tuning = tuning_for(argparse.Namespace(tuning_cache=given), CPU, registry, environ)
+    assert tuning.cache is None and tuning.notes == ()
