@@ -333,7 +333,11 @@ def load_tuning(path: str | Path | None, environment: Environment, registry, *,
         return Tuning()
     path = Path(path)
     again = f"run `moe-runtime tune CHECKPOINT --cache {path}` on this machine"
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as exc:  # e.g. a folder on the way this user may not search
+        return Tuning(notes=(f"ignored tuning cache {path}: malformed: cannot be read ({exc})",))
+    if not found:
         return Tuning(notes=(f"tuning cache {path} does not exist; backends are chosen by "
                              f"declared priority ({again})",) if explicit else ())
     try:

@@ -261,3 +261,26 @@ def test_tuning_cache_none_or_empty_reads_nothing_even_with_a_default_cache(tmp_
     assert tuning_for(argparse.Namespace(tuning_cache=None), CPU, registry, environ).cache
     tuning = tuning_for(argparse.Namespace(tuning_cache=given), CPU, registry, environ)
     assert tuning.cache is None and tuning.notes == ()
+
+
+def test_a_cache_in_a_folder_this_user_cannot_search_is_ignored_with_a_note(tmp_path, registry,
+                                                                           monkeypatch):
+    # as root (these tests' machine) every folder is searchable; for other users stat() of a
+    # file under a folder without x permission raises PermissionError, which Path.is_file of
+    # Python 3.11 lets through
+    from pathlib import Path
+
+    path = tmp_path / "locked" / "t.json"
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    tuning = load_tuning(path, CPU, registry)
+    assert tuning.cache is None
+    (note,) = tuning.notes
+    assert note.startswith(f"ignored tuning cache {path}: malformed: cannot be read (")
+    assert "Permission denied" in note
