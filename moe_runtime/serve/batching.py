@@ -527,9 +527,10 @@ class CacheBatcher:
         done = set()
         for r, token, finished in zip(rows, tokens, stopped, strict=True):
             r.generated.append(int(token))
-            self._deliver(r, finished=bool(finished))
             if finished:
+                self.sampler.release(r.slot)
                 done.add(r.request_id)
+            self._deliver(r, finished=bool(finished))
         if done:
             self._keep([i for i, r in enumerate(self._rows) if r.request_id not in done])
 

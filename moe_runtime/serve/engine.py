@@ -41,6 +41,7 @@ from moe_runtime.serve.batching import (
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
 from moe_runtime.serve.loading import LoadedModel
 from moe_runtime.serve.sampling import (
+    GREEDY,
     SLOT_KWARG,
     BatchSampler,
     SamplingParams,
@@ -138,6 +139,9 @@ class Engine:
         # generated), and whether it has had its first token (running) or not (waiting)
         self._held: dict[str, int] = {}
         self._started: set[str] = set()
+        # each unfinished request's sampler key (continuous batching releases its row when the
+        # batching thread delivers its last token)
+        self._slots: dict[str, int] = {}
         # called with (seconds since the request's previous tokens, number of new tokens)
         self.on_tokens = None
         self.block_size = block_size
@@ -227,6 +231,9 @@ class Engine:
 
         def deliver_after_collect(outputs):
             self.sampler.collect()
+            for out in outputs:
+                if out.is_finished():
+                    self.sampler.release(self._slots.get(out.request_id, GREEDY))
             deliver_batch(outputs)
 
         router.deliver_batch = deliver_after_collect
@@ -367,6 +374,7 @@ class Engine:
             sampling = attrs.evolve(sampling, seed=self._seeds.getrandbits(63))
         slot = self.sampler.open(sampling, prompt_ids)
         kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
+        self._slots[request_id] = slot
         detok = IncrementalDetokenizer(self.tokenizer, tuple(stop))
         submitted = last_at = time.perf_counter()
         first_token_s = None
@@ -414,6 +422,7 @@ class Engine:
         finally:
             self._held.pop(request_id, None)
             self._started.discard(request_id)
+            self._slots.pop(request_id, None)
             self.sampler.close(slot)
             if not finished:
                 manager.cancel_request(request_id)

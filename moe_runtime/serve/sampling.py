@@ -187,7 +187,7 @@ class BatchSampler:
         skips the stages no row of the batch uses; a row's token is the same either way.
 
     ``open``, ``close`` and ``records`` may be called from any thread; ``rows_for``, ``sample`` and
-    ``collect`` from the batching thread only, in that order each step.
+    ``collect`` from the batching thread only, in that order each step, and ``release``.
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int = 64, max_batch: int = 64,
@@ -242,6 +242,18 @@ class BatchSampler:
             return
         with self._lock:
             slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._closed.append(slot)
+
+    def release(self, key: int) -> None:
+        """The request made its last token (called by the batching thread as it delivers it): its
+        row returns to the pool on the next step, before the request is closed, so requests that
+        finish faster than their consumers close them hold no rows. Its records stay until
+        :meth:`close`."""
+        if key == GREEDY:
+            return
+        with self._lock:
+            slot = self._slots.get(key)
             if slot is not None:
                 self._closed.append(slot)
 

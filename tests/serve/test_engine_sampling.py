@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -67,3 +68,30 @@ def test_dynamic_batching_prefills_within_the_token_bound(loaded, model_dir):
             engine.shutdown()
     assert results["bounded"] == results["free"]
     assert results["bounded scored"] == results["free scored"]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "dynamic"])
+def test_finished_requests_free_their_rows_while_the_event_loop_is_busy(loaded, batching):
+    # each sampled request holds a sampler row from its first token; the batching thread must not
+    # run out of rows when requests finish faster than the event loop closes them
+    engine = Engine(loaded, max_batch_size=2, batching=batching)
+    engine.start()
+    n = engine.sampler.max_slots + 6
+
+    async def main():
+        prompt = engine.encode_prompt("Once upon a time")
+        tasks = [asyncio.ensure_future(engine.complete(
+            prompt, max_tokens=1, sampling=SamplingParams(temperature=1.0, seed=i)))
+            for i in range(n)]
+        while len(engine._held) + sum(t.done() for t in tasks) < n:
+            await asyncio.sleep(0.01)  # until every request is submitted
+        time.sleep(5)  # the loop is blocked: no request is closed, the batch runs on
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+        assert engine.healthy
+    finally:
+        engine.shutdown()
+    assert [len(r.token_ids) for r in results] == [1] * n
+    assert engine.sampler.open_slots == 0
