@@ -433,10 +433,18 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     log.info("listening at http://%s:%d (/health answers 503 until the model is loaded and has "
              "generated a first token)", shown, port)
 
+    stopping: list[bool] = []  # set, under the lock, once the server stopped
+    ready: list[bool] = []  # set once the first token was generated
+    lock = threading.Lock()
+
     def load_and_probe() -> None:
         try:
             engine = _load_engine(args, source, log)
-            engines.append(engine)
+            with lock:  # an engine finished after the stop is shut down here, not left running
+                if stopping:
+                    engine.shutdown()
+                    return
+                engines.append(engine)
             if server.should_exit:
                 return
             # sampling defaults are known only now: the app reads them from the server state
@@ -458,6 +466,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
                            ("" if args.debug else " (run with --debug for the traceback)"))
         else:
             log.info("ready: the first token took %.2f s", seconds)
+            ready.append(True)
             return
         server.should_exit = True
 
@@ -469,7 +478,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for
         interrupted = True
     finally:
-        for engine in engines:
+        with lock:
+            stopping.append(True)
+            started = list(engines)
+        for engine in started:
             engine.shutdown()
     if failure:
         print(f"error: {failure[0]}", file=sys.stderr)
@@ -479,9 +491,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
         code = EXIT_INTERRUPTED
     else:
         code = EXIT_OK if server.started else EXIT_FAILED
-    if loader.is_alive():
+    if loader.is_alive() or (interrupted and not ready):
         # stopped while the model loads: the loading thread cannot be interrupted, and letting
-        # the interpreter finalize under it can crash; leave at once
+        # the interpreter finalize under it (or under the threads and event loops of an engine
+        # stopped before its first token) can crash or print a traceback; leave at once
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
