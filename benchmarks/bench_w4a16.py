@@ -44,14 +44,13 @@ for _p in (_ROOT, _ROOT / "plugins" / "triton", _ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+import bench_triton_moe  # noqa: E402  (the shapes and the CUDA-graph capture)
+
 READ_GBPS = 4609.0
 TOL = 1.5e-2
-# dimensions of benchmarks/bench_triton_moe.py's SHAPES
-SHAPES = {
-    "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
-    "qwen3.5-397b-a17b": dict(H=4096, I=1024, E=512, K=10),
-    "deepseek-v3": dict(H=7168, I=2048, E=256, K=8),
-}
+# the dimensions of bench_triton_moe's shapes (one copy); routing here is uniform random
+SHAPES = {name: {k: spec[k] for k in ("H", "I", "E", "K")}
+          for name, spec in bench_triton_moe.SHAPES.items() if "local" not in spec}
 DRY_SHAPES = {"tiny": dict(H=64, I=32, E=8, K=2)}
 LAYOUTS = {  # name -> W4A16Layout(gate_up_rows, gate_up_cols, down_rows, down_cols, interleave)
     "r64k256": (64, 256, 128, 64),
@@ -222,21 +221,7 @@ class Timer:
         """One CUDA graph per callable (after an eager warm-up on a side stream)."""
         if not self.cuda:
             return [(None, f()) for f in fns]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        out = []
-        for f in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                res = f()
-            out.append((g, res))
-        torch.cuda.synchronize()
-        return out
+        return bench_triton_moe.Timer("cuda").graphs(fns)
 
     def time(self, graphs, fns):
         """Median over rounds of the median replay time (us), the graphs rotating."""
