@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import attrs
 import pytest
 
@@ -14,13 +12,11 @@ from moe_runtime import (
     ExpertsBackendSpec,
     Hardware,
     Support,
-    hookimpl,
 )
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.planner import Deployment, PlanError, Reason, plan_layer, plan_model
-from moe_runtime.plugin.manager import get_plugin_manager
-from moe_runtime.plugin.registry import Registry
+from moe_runtime.testing.registries import registry_of
 
 SM100 = Hardware(devices=["cuda"], cuda_capabilities=[CapabilityRange.exactly("10.0"),
                                                       CapabilityRange.exactly("10.3")])
@@ -32,17 +28,7 @@ def layer(fmt="nvfp4_w4a4", name="model.layers.0.mlp.experts", **kw):
     return LayerProblem(name=name, format=fmt, **base)
 
 
-def registry_with(*specs) -> Registry:
-    plugin = types.ModuleType("test_plugin_" + "_".join(s.name for s in specs))
-
-    @hookimpl
-    def moe_runtime_register_backends(register):
-        for s in specs:
-            register(s)
-
-    plugin.moe_runtime_register_backends = moe_runtime_register_backends
-    return Registry.from_plugin_manager(
-        get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
+registry_with = registry_of
 
 
 def builtin_choice(p, environment, deployment=Deployment()) -> str:

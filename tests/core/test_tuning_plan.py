@@ -3,16 +3,13 @@ the deployment's token bucket, and nothing else; without a cache the plan is the
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
-from moe_runtime import ExpertsBackendSpec, Hardware, Support, hookimpl
+from moe_runtime import ExpertsBackendSpec, Hardware, Support
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
 from moe_runtime.planner import Deployment, layer_candidates, plan_layer, plan_model
-from moe_runtime.plugin.manager import get_plugin_manager
-from moe_runtime.plugin.registry import Registry
+from moe_runtime.testing.registries import registry_of
 from moe_runtime.tuning.cache import (
     Measurement,
     Section,
@@ -40,17 +37,7 @@ def layer(fmt="bf16", name="model.layers.0.mlp.experts"):
     return LayerProblem(name, fmt, "silu", 8, 2, 64, 32)
 
 
-def registry_with(*specs) -> Registry:
-    plugin = types.ModuleType("tuning_test_plugin_" + "_".join(s.name for s in specs))
-
-    @hookimpl
-    def moe_runtime_register_backends(register):
-        for s in specs:
-            register(s)
-
-    plugin.moe_runtime_register_backends = moe_runtime_register_backends
-    return Registry.from_plugin_manager(
-        get_plugin_manager(autoload=False, plugins=[plugin], environ={}))
+registry_with = registry_of
 
 
 SLOW = 10000.0  # the built-in backends' time where a test does not say
