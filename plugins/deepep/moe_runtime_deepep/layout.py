@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-FP8_SCALE_BLOCK = 128
+from moe_runtime_deepep.limits import FP8_SCALE_BLOCK  # noqa: F401  (one definition)
 
 
 def expert_owner(num_experts: int, world: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

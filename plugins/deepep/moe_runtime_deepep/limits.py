@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from moe_runtime import formats as F
 from moe_runtime.placement import local_experts
 
 #: ``NUM_MAX_NVL_PEERS`` (configs.cuh): ranks that one NVLink (intranode) buffer connects.
@@ -40,6 +41,8 @@ NUM_MAX_LOCAL_EXPERTS = 1024
 
 #: The normal dispatch's FP8 input is ``(x [N, H] e4m3, scales [N, H // 128] float32)``.
 FP8_SCALE_BLOCK = 128
+#: the payloads normal mode dispatches (the declaration in plugin.py reads this)
+NORMAL_PAYLOADS = (F.UNQUANTIZED, F.FP8)
 
 #: ``NVSHMEM_QP_DEPTH`` that DeepEP's ``Buffer`` sets when the variable is unset. Later releases
 #: assert ``nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2`` in both low-latency
@@ -137,13 +140,14 @@ def _normal_problems(world: int, top_k: int, hidden: int, payload: str) -> list[
             f"hidden {hidden}: DeepEP moves rows in 16-byte vectors (bf16 hidden must be a "
             "multiple of 8)"
         )
-    if payload == "fp8" and hidden % FP8_SCALE_BLOCK:
+    if payload == F.FP8 and hidden % FP8_SCALE_BLOCK:
         problems.append(
             f"hidden {hidden}: DeepEP's FP8 dispatch input carries [tokens, hidden // "
             f"{FP8_SCALE_BLOCK}] scales, so hidden must be a multiple of {FP8_SCALE_BLOCK}"
         )
-    if payload not in ("unquantized", "fp8"):
-        problems.append(f"normal mode carries unquantized or fp8 payloads, not {payload}")
+    if payload not in NORMAL_PAYLOADS:
+        problems.append(f"normal mode carries {' or '.join(NORMAL_PAYLOADS)} payloads, not "
+                        f"{payload}")
     return problems
 
 

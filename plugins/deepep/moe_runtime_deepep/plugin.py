@@ -51,7 +51,7 @@ def build_spec(settings: DeepEPSettings | None = None) -> CommBackendSpec:
         ),
         CommSupport(
             layout=F.TOKEN_MAJOR,
-            payloads=(F.UNQUANTIZED, F.FP8),
+            payloads=limits.NORMAL_PAYLOADS,
             world_sizes=limits.NORMAL_INTRANODE_WORLD_SIZES,
             max_tokens_per_rank=None,
             hardware=HOPPER_PLUS,
