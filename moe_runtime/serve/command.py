@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import textwrap
@@ -426,6 +427,16 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     config = uvicorn.Config(app, log_config=None, log_level=level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
+    signals: list[int] = []  # what stopped the server, seen as uvicorn's handler receives it
+    uvicorn_handle_exit = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        signals.append(sig)
+        uvicorn_handle_exit(sig, frame)
+
+    # uvicorn re-raises the SIGINT it shut down for from inside asyncio.run, whose own SIGINT
+    # handling may swallow it when the serving task is already finishing: read it here instead
+    server.handle_exit = handle_exit
     failure: list[str] = []
     engines: list = []
     host, port = sock.getsockname()[:2]
@@ -483,6 +494,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
             started = list(engines)
         for engine in started:
             engine.shutdown()
+    interrupted = interrupted or signal.SIGINT in signals
     if failure:
         print(f"error: {failure[0]}", file=sys.stderr)
         code = EXIT_FAILED
