@@ -231,7 +231,25 @@ def _memory() -> tuple[float, float] | None:
     return torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30
 
 
-def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
+def _log_level(args, side: str, mode: str, clients: int, summary: dict) -> None:
+    """One JSON line per measured wave, printed and appended to ``OUT/progress.jsonl`` as soon
+    as the wave ends, so that a run stopped before the report still leaves its numbers."""
+    tpot = summary["tpot_s"]
+    line = {"side": side, "mode": mode, "clients": clients, "wall_s": round(summary["wall_s"], 3),
+            "out_tok_per_s": round(summary["out_tok_per_s"], 1),
+            "ttft_p50_ms": round((_median([t for t in summary["ttft_s"] if t is not None])
+                                  or 0) * 1e3, 2),
+            "tpot_p50_ms": round((_median(tpot) or 0) * 1e3, 2),
+            "tpot_p90_ms": round((_percentile(tpot, 0.9) or 0) * 1e3, 2)}
+    text = json.dumps(line)
+    print(text, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "progress.jsonl", "a") as f:
+        f.write(text + "\n")
+
+
+def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: str = "") -> dict:
     """Start an engine on ``loaded``, warm it up, measure every client count in every mode,
     shut it down. Returns ``{mode: {clients: (summary, results)}}`` and ``"memory"``."""
     from moe_runtime.serve.engine import Engine
@@ -257,6 +275,7 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
             for c in levels:
                 wall, results = asyncio.run(_wave(engine, prompts, clients=c, **measured))
                 out["in-process"][c] = (_summarize(wall, results), results)
+                _log_level(args, side, "in-process", c, out["in-process"][c][0])
         if "http" in args.mode_list:
             http = _HttpServer(engine, "bench")
             try:
@@ -267,6 +286,7 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar) -> dict:
                     wall, results = asyncio.run(_http_wave(http.url, "bench", prompts,
                                                            clients=c, **measured))
                     out["http"][c] = (_summarize(wall, results), results)
+                    _log_level(args, side, "http", c, out["http"][c][0])
             finally:
                 http.close()
     finally:
@@ -389,6 +409,7 @@ def _profiles(loaded, prompts, args) -> dict | None:
     for side in args.side_list:
         try:
             out[side] = _profile_side(loaded[side], prompts, args, args.profile_clients)
+            print(json.dumps({"profile": side, **out[side]}, default=str), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             print(f"profiling {side} failed: {type(exc).__name__}: {exc}", flush=True)
     return out or None
@@ -693,7 +714,7 @@ def main(argv=None) -> int:
         for side in order:
             bar.set_postfix_str(f"rep {rep + 1}/{args.repeats} {side}")
             raw[side].append(_run_side(loaded[side], prompts, args, levels,
-                                       warm_levels=rep == 0, bar=bar))
+                                       warm_levels=rep == 0, bar=bar, side=side))
     bar.close()
 
     results: dict[str, dict] = {}
