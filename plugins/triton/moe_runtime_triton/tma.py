@@ -1,0 +1,437 @@
+"""Large-batch path of the Triton experts backend: TMA tiles and persistent grouped GEMMs (issue 14).
+
+Same inputs and output as :func:`ops.fused_moe_prepared` for 16-bit and fp8_w8a8 weights, built
+for prefill sizes (about 1024 tokens and more) on Hopper:
+
+1. routing: :func:`ops.route_into` (rows sorted by expert, each expert padded to ``BLOCK_M``,
+   ``bexp`` the expert of each row block, -1 past the used ones);
+2. gather (:func:`tma_gather_kernel`): ``xs[row] = x[pair // topk]`` once, in sorted order
+   (padding rows zero; fp8: quantized with the input scale here), so GEMM 1's activation tile is a
+   plain 2-D TMA box instead of ``BLOCK_M`` gathered rows per K step;
+3. GEMM 1 (:func:`tma_gemm1_kernel`): ``inter = act(xs @ w_gate^T) * (xs @ w_up^T)``. The weights
+   of all experts are one 2-D ``[E * 2I, H]`` TMA descriptor (a tile of expert ``e`` starts at row
+   ``e * 2I + n``). With ``FUSED_GU`` the gate and up rows are interleaved at prepare time (row
+   ``2j`` = gate ``j``, ``2j + 1`` = up ``j``), so one ``BLOCK_N`` wide tile and one dot give
+   ``BLOCK_N / 2`` output columns; the accumulator's adjacent column pairs are split in registers
+   (the MMA layout holds column pairs in one thread);
+4. GEMM 2 (:func:`tma_gemm2_kernel`): ``y[pair] = w_route[pair] * (inter @ w2^T)``, ``inter`` and
+   ``w2 [E * H, I]`` both TMA descriptors, the rows scattered to pair order in the epilogue;
+5. combine: :func:`kernels.moe_finalize_kernel` (as the sorted path).
+
+Both GEMMs are persistent: ``NUM_PROGS`` programs (the SM count by default) loop over the used
+tiles (counted on the device from ``bexp``: nothing data-dependent on the host, so the path is
+CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks so the weight tiles of one
+expert are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so the next
+tile's loads are issued during the epilogue.
+
+Tensor descriptors are host-side (``triton.tools.tensor_descriptor.TensorDescriptor``, Triton 3.4
+and later; the interpreter runs them too). TMA needs 16-byte aligned rows: ``H`` and ``I`` times
+the element size must be multiples of 16 (:func:`tma_unavailable` says why a layer cannot run).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from moe_runtime_triton import kernels as K
+from moe_runtime_triton import ops
+
+# formats this path runs: the ones whose weights feed the MMA as they are (no decode in the loop)
+TMA_WFMTS = (K.WFMT_16BIT, K.WFMT_FP8)
+USED_SCAN = 1024  # row blocks of ``bexp`` read per step when counting the used ones
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TmaWeights:
+    """:class:`ops.PreparedWeights` plus the 2-D views (and, with ``fused_gu``, the interleaved
+    gate/up copy) the TMA kernels read. Built once per layer by :func:`prepare_tma`."""
+
+    pw: ops.PreparedWeights
+    fused_gu: bool
+    w13: torch.Tensor  # [E * 2I, H]: rows of experts back to back (interleaved gate/up if fused_gu)
+    w13_scale: torch.Tensor | None  # fp8: float32 [E * 2I], in w13's row order
+    w2: torch.Tensor  # [E * H, I]
+    w2_scale: torch.Tensor | None  # fp8: float32 [E * H]
+
+
+def tma_unavailable(pw: ops.PreparedWeights) -> str | None:
+    """Why this path cannot run ``pw`` (``None``: it can)."""
+    if pw.wfmt not in TMA_WFMTS:
+        return (f"the TMA path runs weights that feed the tensor cores as stored (16-bit, fp8); "
+                f"{pw.run_as} weights are decoded in the main loop")
+    elt = pw.w13.element_size()
+    H, I = pw.hidden_size, pw.intermediate_size
+    if (H * elt) % 16 or (I * elt) % 16:
+        return (f"TMA needs rows of a multiple of 16 bytes: hidden size {H} and intermediate "
+                f"size {I} of {elt}-byte elements")
+    if pw.w13.dtype == torch.float32 and not ops.INTERPRET:
+        return "float32 weights have no tensor-core path here (16-bit or fp8 weights)"
+    return None
+
+
+def interleave_gate_up(t: torch.Tensor, E: int, I: int) -> torch.Tensor:
+    """``[E, 2I, ...]`` (gate rows, then up rows) -> ``[E * 2I, ...]`` with gate row ``j`` at
+    ``2j`` and up row ``j`` at ``2j + 1`` of each expert."""
+    rest = t.shape[2:]
+    return t.reshape(E, 2, I, *rest).transpose(1, 2).reshape(E * 2 * I, *rest).contiguous()
+
+
+def prepare_tma(pw: ops.PreparedWeights, fused_gu: bool = True) -> TmaWeights:
+    """The TMA views of ``pw``; ``fused_gu`` makes an interleaved copy of ``w13`` (in a serving
+    process it would replace ``pw.w13``: same bytes)."""
+    why = tma_unavailable(pw)
+    if why:
+        raise ValueError(why)
+    E, H, I = pw.num_experts, pw.hidden_size, pw.intermediate_size
+    w13 = pw.w13.reshape(E, 2 * I, H)
+    s13 = pw.w13_scale.reshape(E, 2 * I) if pw.w13_scale is not None else None
+    if fused_gu:
+        w13 = interleave_gate_up(w13, E, I)
+        s13 = interleave_gate_up(s13, E, I) if s13 is not None else None
+    else:
+        w13 = w13.reshape(E * 2 * I, H)
+        s13 = s13.reshape(-1) if s13 is not None else None
+    return TmaWeights(
+        pw=pw, fused_gu=fused_gu, w13=w13, w13_scale=s13,
+        w2=pw.w2.reshape(E * H, I),
+        w2_scale=pw.w2_scale.reshape(-1) if pw.w2_scale is not None else None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _used_blocks(bexp_ptr, num_m_blocks, SCAN: tl.constexpr):
+    """Row blocks in use (``bexp >= 0``: a prefix of ``bexp``)."""
+    used = 0
+    for c in range(0, num_m_blocks, SCAN):
+        b = c + tl.arange(0, SCAN)
+        v = tl.load(bexp_ptr + b, mask=b < num_m_blocks, other=-1)
+        used += tl.sum((v >= 0).to(tl.int32), axis=0)
+    return used
+
+
+@triton.jit(do_not_specialize=["P", "topk"])
+def tma_gather_kernel(x_ptr, sorted_ptr, bexp_ptr, out_ptr, scale_ptr, P, H, topk,
+                      stride_xm, stride_om,
+                      QUANT: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[row] = x[sorted[row] // topk]`` for the rows of used blocks (zero on padding rows),
+    quantized to fp8 with ``scale`` when ``QUANT``. ``ROWS`` divides ``BLOCK_M``."""
+    r0 = tl.program_id(0) * ROWS
+    e = tl.load(bexp_ptr + r0 // BLOCK_M)
+    if e < 0:
+        return
+    rows = r0 + tl.arange(0, ROWS)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    v = tl.load(x_ptr + tok[:, None] * stride_xm + offs[None, :],
+                mask=valid[:, None] & hmask[None, :], other=0.0)
+    if QUANT:
+        sc = tl.load(scale_ptr)
+        v = K._quant_fp8(v, sc, 1.0 / sc, EXACT)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=hmask[None, :])
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr):
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g)) * u
+    else:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+
+
+@triton.jit(do_not_specialize=["num_m_blocks"])
+def tma_gemm1_kernel(
+    a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
+    num_m_blocks, H, I, stride_im,
+    WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
+    FUSED_GU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``inter[row, n] = act(xs[row] @ w13[e, n]) * (xs[row] @ w13[e, I + n])`` over the used
+    row blocks. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
+    columns; otherwise a tile is ``BLOCK_N`` output columns from two B tiles and two dots."""
+    pid = tl.program_id(0)
+    used = _used_blocks(bexp_ptr, num_m_blocks, 1024)
+    OUT_N: tl.constexpr = BLOCK_N // 2 if FUSED_GU else BLOCK_N
+    num_n = tl.cdiv(I, OUT_N)
+    num_tiles = used * num_n
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    if WFMT == 1:
+        a_scale = tl.load(a_scale_ptr)
+    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+        pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
+        e = tl.load(bexp_ptr + pid_m)
+        row0 = pid_m * BLOCK_M
+        cols = pid_n * OUT_N + tl.arange(0, OUT_N)
+        if FUSED_GU:
+            brow = e * (2 * I) + pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([row0, kk * BLOCK_K])
+                b = b_desc.load([brow, kk * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            if WFMT == 1:
+                wc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                s = tl.load(ws_ptr + e * (2 * I) + wc, mask=wc < 2 * I, other=0.0)
+                acc = acc * (s * a_scale)[None, :]
+            g, u = tl.split(tl.reshape(acc, (BLOCK_M, OUT_N, 2)))
+        else:
+            brow = e * (2 * I) + pid_n * BLOCK_N
+            g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([row0, kk * BLOCK_K])
+                bg = b_desc.load([brow, kk * BLOCK_K])
+                bu = b_desc.load([brow + I, kk * BLOCK_K])
+                g = tl.dot(a, bg.T, g)
+                u = tl.dot(a, bu.T, u)
+            if WFMT == 1:
+                sg = tl.load(ws_ptr + e * (2 * I) + cols, mask=cols < I, other=0.0)
+                su = tl.load(ws_ptr + e * (2 * I) + I + cols, mask=cols < I, other=0.0)
+                g = g * (sg * a_scale)[None, :]
+                u = u * (su * a_scale)[None, :]
+        h = _act(g, u, ACT)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :]
+        if OUT_FP8:
+            a2 = tl.load(a2_scale_ptr)
+            tl.store(i_ptrs, K._quant_fp8(h, a2, 1.0 / a2, EXACT), mask=(cols < I)[None, :])
+        else:
+            tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=(cols < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["P", "num_m_blocks"])
+def tma_gemm2_kernel(
+    a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
+    P, num_m_blocks, H, I, stride_ym,
+    WFMT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used blocks."""
+    pid = tl.program_id(0)
+    used = _used_blocks(bexp_ptr, num_m_blocks, 1024)
+    num_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = used * num_n
+    k_tiles = tl.cdiv(I, BLOCK_K)
+    if WFMT == 1:
+        a2 = tl.load(a2_scale_ptr)
+    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+        pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
+        e = tl.load(bexp_ptr + pid_m)
+        row0 = pid_m * BLOCK_M
+        brow = e * H + pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = a_desc.load([row0, kk * BLOCK_K])
+            b = b_desc.load([brow, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < H
+        if WFMT == 1:
+            s = tl.load(ws_ptr + e * H + cols, mask=cmask, other=0.0)
+            acc = acc * (s * a2)[None, :]
+        rows = row0 + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows)
+        valid = pair < P
+        rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+        y_ptrs = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs and the entry
+# ----------------------------------------------------------------------------------------------
+
+
+def _gcfg(bn, bk, group_m, warps, stages):
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "num_warps": warps,
+            "num_stages": stages}
+
+
+def default_config(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> dict:
+    """A starting config from the shape (the benchmark sweeps around it). ``g1.BLOCK_N`` counts
+    weight rows of a tile: with ``fused_gu`` (the default) half of them are gate, half up."""
+    pairs = max(1, n_tokens * topk)
+    rows_per_expert = pairs / max(1, min(pw.num_experts, pairs))
+    fp8 = pw.wfmt == K.WFMT_FP8
+    bk = 128 if fp8 else 64
+    if rows_per_expert <= 64:
+        return {"BLOCK_M": 64, "fused_gu": True,
+                "g1": _gcfg(256, bk, 8, 4, 4), "g2": _gcfg(128, bk, 8, 4, 4)}
+    return {"BLOCK_M": 128, "fused_gu": True,
+            "g1": _gcfg(256, bk, 8, 8, 3), "g2": _gcfg(256, bk, 8, 8, 3)}
+
+
+def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list[dict]:
+    """A small sweep for the benchmark: the default, and tile/stage/group variations."""
+    base = default_config(pw, n_tokens, topk)
+    fp8 = pw.wfmt == K.WFMT_FP8
+    bk = 128 if fp8 else 64
+    out = [base]
+    if base["BLOCK_M"] == 128:
+        out += [
+            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 4),
+             "g2": _gcfg(128, bk, 8, 8, 4)},
+            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(128, bk, 16, 8, 4),
+             "g2": _gcfg(128, bk, 16, 8, 4)},
+            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 32, 8, 3),
+             "g2": _gcfg(256, bk, 32, 8, 3)},
+            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 8, 4, 4),
+             "g2": _gcfg(256, bk, 8, 4, 4)},
+        ]
+    else:
+        out += [
+            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(128, bk, 8, 4, 4),
+             "g2": _gcfg(128, bk, 8, 4, 4)},
+            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 16, 4, 4),
+             "g2": _gcfg(256, bk, 16, 4, 3)},
+            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 3),
+             "g2": _gcfg(256, bk, 8, 8, 3)},
+        ]
+    return out
+
+
+def describe(cfg: dict) -> str:
+    g1, g2 = cfg["g1"], cfg["g2"]
+    return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
+            f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
+            f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
+            + (" gu" if cfg.get("fused_gu", True) else " 2dot")
+            + (f" P{cfg['programs']}" if cfg.get("programs") else "")
+            + ("" if cfg.get("flatten", True) else " noflat"))
+
+
+def _num_programs(device: torch.device, cfg: dict) -> int:
+    if cfg.get("programs"):
+        return int(cfg["programs"])
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few programs, so the persistent loops are exercised
+
+
+def _launch_opts(g: dict) -> dict:
+    opts = {"num_warps": g["num_warps"]}
+    if torch.cuda.is_available():
+        opts["num_stages"] = g["num_stages"]
+    return opts
+
+
+def fused_moe_tma(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    tw: TmaWeights,
+    *,
+    hidden_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    _stages: list | None = None,
+) -> torch.Tensor:
+    """``[N, H]``, as :func:`ops.fused_moe_prepared` (same arguments, ``tw`` from
+    :func:`prepare_tma`): per token, the routing-weighted sum of its valid experts' gated MLP
+    outputs. ``config``: :func:`default_config`'s keys (``fused_gu`` must match ``tw``)."""
+
+    def go(name, fn):
+        ret = fn()
+        if _stages is not None:
+            _stages.append((name, fn, ret))
+    pw = tw.pw
+    N, H = hidden.shape
+    E, I = pw.num_experts, pw.intermediate_size
+    if H != pw.hidden_size:
+        raise ValueError(f"hidden size {H} does not match the weights' {pw.hidden_size}")
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    hidden, compute, out_dtype = ops._activations(hidden, hidden_scale, pw, out_dtype)
+    out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
+    if N == 0:
+        return out
+    cfg = config or default_config(pw, N, topk)
+    if bool(cfg.get("fused_gu", True)) != tw.fused_gu:
+        raise ValueError(f"config fused_gu={cfg.get('fused_gu', True)} but the weights were "
+                         f"prepared with fused_gu={tw.fused_gu}")
+    hidden = hidden.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    dev = hidden.device
+    bm = cfg["BLOCK_M"]
+    P = N * topk
+    R = ops.max_sorted_rows(P, E, bm)
+    num_m_blocks = R // bm
+    sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
+    bexp = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
+    go("route", lambda: ops.route_into(topk_ids, E, bm, sorted_ids, bexp))
+
+    fp8 = pw.wfmt == K.WFMT_FP8
+    if fp8:
+        if hidden.dtype == torch.float8_e4m3fn:
+            quant, a_scale = False, hidden_scale.reshape(1).to(torch.float32)
+        else:
+            quant, a_scale = True, pw.a13_scale
+        a_dtype = inter_dtype = torch.float8_e4m3fn
+    else:
+        quant, a_scale = False, None
+        a_dtype = inter_dtype = compute
+    xs = torch.empty((R, H), dtype=a_dtype, device=dev)
+    rows_g = min(bm, 16)
+    bh = min(1024, max(16, ops._p2(H)))
+    dummy = bexp
+    go("gather", lambda: tma_gather_kernel[(R // rows_g, triton.cdiv(H, bh))](
+        hidden, sorted_ids, bexp, xs, a_scale if quant else dummy, P, H, topk,
+        hidden.stride(0), xs.stride(0),
+        QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=bm, ROWS=rows_g, BLOCK_H=bh, num_warps=4))
+
+    inter = torch.empty((R, I), dtype=inter_dtype, device=dev)
+    nprog = _num_programs(dev, cfg)
+    flatten = bool(cfg.get("flatten", True))
+    g1 = cfg["g1"]
+    a1 = TensorDescriptor.from_tensor(xs, [bm, g1["BLOCK_K"]])
+    b1 = TensorDescriptor.from_tensor(tw.w13, [g1["BLOCK_N"], g1["BLOCK_K"]])
+    out_n1 = g1["BLOCK_N"] // 2 if tw.fused_gu else g1["BLOCK_N"]
+    max_tiles1 = num_m_blocks * triton.cdiv(I, out_n1)
+    go("gemm1", lambda: tma_gemm1_kernel[(min(nprog, max_tiles1),)](
+        a1, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
+        pw.a2_scale if fp8 else dummy, bexp,
+        num_m_blocks, H, I, inter.stride(0),
+        WFMT=pw.wfmt, ACT=ops._ACT[pw.activation], OUT_FP8=fp8, EXACT=ops.EXACT_FP8,
+        FUSED_GU=tw.fused_gu, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"],
+        GROUP_M=g1["GROUP_M"], NUM_PROGS=min(nprog, max_tiles1), FLATTEN=flatten,
+        **_launch_opts(g1)))
+
+    y = torch.empty((P, H), dtype=out_dtype, device=dev)
+    g2 = cfg["g2"]
+    a2d = TensorDescriptor.from_tensor(inter, [bm, g2["BLOCK_K"]])
+    b2d = TensorDescriptor.from_tensor(tw.w2, [g2["BLOCK_N"], g2["BLOCK_K"]])
+    max_tiles2 = num_m_blocks * triton.cdiv(H, g2["BLOCK_N"])
+    go("gemm2", lambda: tma_gemm2_kernel[(min(nprog, max_tiles2),)](
+        a2d, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
+        topk_weights, y, sorted_ids, bexp,
+        P, num_m_blocks, H, I, y.stride(0),
+        WFMT=pw.wfmt, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
+        GROUP_M=g2["GROUP_M"], NUM_PROGS=min(nprog, max_tiles2), FLATTEN=flatten,
+        **_launch_opts(g2)))
+
+    bh = min(1024, max(16, ops._p2(H)))
+    go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
+        y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh, num_warps=4))
+    return out
