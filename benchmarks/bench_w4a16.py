@@ -60,6 +60,18 @@ LAYOUTS = {  # name -> W4A16Layout(gate_up_rows, gate_up_cols, down_rows, down_c
     "r64k256i": (64, 256, 128, 32, True),
 }
 DRY_LAYOUTS = {"r32k64": (32, 64, 64, 32)}
+# the W4A16 variants timed per row: (layout, config overrides of W.default_config); "wgmma s4"
+# is the configuration of the first GPU run (RESULTS.md), kept as the control
+VARIANTS = {
+    "r128k128 sync s3": ("r128k128", {"mma_sync": True, "num_stages": 3}),
+    "r128k128 sync s4": ("r128k128", {"mma_sync": True, "num_stages": 4}),
+    "r64k256 sync s3": ("r64k256", {"mma_sync": True, "num_stages": 3}),
+    "r128k128 wgmma s4": ("r128k128", {"mma_sync": False, "num_stages": 4}),
+}
+DRY_VARIANTS = {"r32k64 sync": ("r32k64", {"mma_sync": True}),
+                "r32k64 wgmma": ("r32k64", {"mma_sync": False}),
+                "r32k64 sync fused": ("r32k64", {"mma_sync": True, "fused": True})}
+STAGE_REPEATS = 10  # launches of one stage per captured graph (per-stage times)
 
 
 def log(*a):
@@ -111,105 +123,139 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def sass_per_weight(compiled, weights_per_iter, warps):
-    """Hot-loop SASS instructions per weight of a compiled Triton kernel (None if unavailable)."""
+def kernel_facts(compiled, weights_per_iter, warps):
+    """``sass_inspect.analyse`` of a launched kernel (MMA kind, shared-memory round trips in the
+    loop, pipeline depth, registers, CTAs per SM, SASS per weight); None if unavailable."""
     try:
         import sass_inspect
 
-        sass = compiled.asm.get("sass") or ""
-        if not sass:
-            from triton.tools.disasm import get_sass
-            sass = get_sass(compiled.asm["cubin"])
-        loop = sass_inspect.innermost_loop(sass)
-        return round(len(loop) * 32 * warps / weights_per_iter, 2)
-    except Exception as exc:  # the count is an aid; the bench runs without it
-        log(f"  (no SASS count: {type(exc).__name__}: {exc})")
+        f = sass_inspect.analyse(compiled, warps, weights_per_iter, weights_per_iter * 0.5625)
+        f.pop("loop_ops", None)
+        return f
+    except Exception as exc:  # the facts are an aid; the bench runs without them
+        log(f"  (no kernel facts: {type(exc).__name__}: {exc})")
         return None
 
 
-def _today_first_gemm(stages, cfg, topk):
+def _today_gemms(stages, cfg, topk):
+    """``{stage: (compiled, weights per loop iteration, warps)}`` of today's GEMM kernels."""
+    out = {}
     for name, _fn, ret in stages:
-        if name in ("gemm1", "decode_gemm1") and hasattr(ret, "asm"):
-            if name == "gemm1":
-                c = cfg["g1"]
-            else:
-                c = cfg["d1"]
-            return ret, 2 * c["BLOCK_N"] * c["BLOCK_K"], c["num_warps"]
-    return None
+        if not hasattr(ret, "asm"):
+            continue
+        if name == "gemm1":
+            c = cfg["g1"]
+            out[name] = (ret, 2 * c["BLOCK_N"] * c["BLOCK_K"], c["num_warps"])
+        elif name == "gemm2":
+            c = cfg["g2"]
+            out[name] = (ret, c["BLOCK_N"] * c["BLOCK_K"], c["num_warps"])
+        elif name == "decode_gemm1":
+            c = cfg["d1"]
+            out[name] = (ret, 2 * c["BLOCK_N"] * c["BLOCK_K"], c["num_warps"])
+        elif name == "decode_gemm2":
+            c = cfg["d2"]
+            slots = 1 << max(0, (topk - 1).bit_length())
+            out[name] = (ret, slots * c["BLOCK_N"] * c["BLOCK_K"], c["num_warps"])
+    return out
 
 
-def _ours_first_gemm(stages, ww, cfg):
-    lo = ww.layout
-    for name, _fn, ret in stages:
-        if name in ("gemm1", "fused") and hasattr(ret, "asm"):
-            return (ret, (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols,
-                    cfg["num_warps"])
-    return None
-
-
-def compile_counts(spec, layouts, arch=90):
-    """SASS/w of the W4A16 kernels compiled for ``sm_<arch>`` without a GPU (Triton compiles for
-    any NVIDIA target with its bundled ``ptxas``): ``{layout: {kernel: (SASS/w, shared bytes,
-    wgmma)}}``. The hot loop of the fused kernel is its GEMM 1 loop."""
-    import sass_inspect
-    import triton
+def _ours_gemms(stages, ww, cfg):
     from moe_runtime_triton import w4a16 as W
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    lo = ww.layout
+    ni = ww.padded[0] // lo.down_cols
+    g1 = (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols
+    out = {}
+    for name, _fn, ret in stages:
+        if not hasattr(ret, "asm"):
+            continue
+        if name in ("gemm1", "fused"):
+            out[name] = (ret, g1, cfg["num_warps"])
+        elif name == "gemm2":
+            out[name] = (ret, lo.down_rows * lo.down_cols * W.down_unroll(ni, lo.down_cols),
+                         cfg["num_warps"])
+    return out
+
+
+def stage_times(timer, stages):
+    """Each stage alone (us): a graph of ``STAGE_REPEATS`` launches of it, replayed, divided."""
+    if not timer.cuda:
+        return {}
+    out = {}
+    for name, fn, _ in stages:
+        try:
+            g = torch.cuda.CUDAGraph()
+            fn()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                for _ in range(STAGE_REPEATS):
+                    fn()
+            g.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(15):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3 / STAGE_REPEATS)
+            out[name] = round(statistics.median(ts), 1)
+            del g
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}"
+    return out
+
+
+def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
+    """The W4A16 kernels of each variant compiled for ``sm_<arch>`` without a GPU (Triton
+    compiles for any NVIDIA target with its bundled ``ptxas``): ``{variant: {kernel: facts}}``,
+    ``sass_inspect.analyse``'s facts (the fused kernel's hot loop is its GEMM 1 loop)."""
+    import sass_inspect
+    from moe_runtime_triton import w4a16 as W
 
     H, I, K = spec["H"], spec["I"], spec["K"]
-
-    def comp(fn, sig, consts, warps=4, stages=4):
-        sig = dict(sig)
-        for n in fn.arg_names:
-            sig.setdefault(n, "constexpr")
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or n.startswith("stride") or n == "H"}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": warps, "num_stages": stages})
-        return k
     out = {}
-    for ln, lf in layouts.items():
-        lo = W.W4A16Layout(*lf)
+    for vn, (ln, over) in variants.items():
+        lo = W.W4A16Layout(*layouts[ln])
+        cfg = {"num_warps": 4, "num_stages": 3, "mma_sync": True, **over}
+        warps, stages = cfg["num_warps"], cfg["num_stages"]
         ni = -(-I // lo.inter_cols)
         nk1 = -(-H // lo.gate_up_cols)
         nh = -(-H // lo.down_rows)
-        asm1 = W._use_asm(lo.gate_up_rows, lo.gate_up_cols, 4)
-        asm2 = W._use_asm(lo.down_rows, lo.down_cols, 4)
-        g1 = comp(W.w4a16_gemm1_kernel, {
-            "x_ptr": "*bf16", "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": "*fp16",
-            "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
-            "num_m_blocks": "i32", "topk": "i32", "stride_xm": "i32", "stride_im": "i32"},
-            {"NI": ni, "NK": nk1, "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols, "BT": 16,
-             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
-             "IL": lo.interleave})
-        g2 = comp(W.w4a16_gemm2_kernel, {
-            "inter_ptr": "*fp16", "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
-            "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
-            "num_m_blocks": "i32", "stride_im": "i32", "stride_ym": "i32"},
-            {"NH": nh, "NK": ni, "ROWS": lo.down_rows, "COLS": lo.down_cols, "BT": 16,
-             "USE_ASM": asm2, "KU": W.down_unroll(ni, lo.down_cols)})
-        fu = comp(W.w4a16_fused_kernel, {
-            "x_ptr": "*bf16", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", "w13_ptr": "*u8",
-            "w2_ptr": "*u8", "s13_ptr": "*fp32", "s2_ptr": "*fp32", "acc_ptr": "*fp32",
-            "count_ptr": "*i32", "out_ptr": "*bf16", "E": "i32", "H": "i32", "stride_xm": "i32",
-            "stride_om": "i32"},
-            {"TOPK": K, "NI": ni, "NK1": nk1, "NH": nh, "HP": nh * lo.down_rows,
-             "ROWS1": lo.gate_up_rows, "COLS1": lo.gate_up_cols, "ROWS2": lo.down_rows,
-             "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2,
-             "IL": lo.interleave})
-        ent = {}
+        asm1 = W._use_asm(lo.gate_up_rows, lo.gate_up_cols, warps)
+        asm2 = W._use_asm(lo.down_rows, lo.down_cols, warps)
+        ku = W.down_unroll(ni, lo.down_cols)
         per_step = (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols
+        with W._mma(cfg) as sync:
+            g1 = sass_inspect.compile_jit(W.w4a16_gemm1_kernel, {
+                "x_ptr": "*bf16", "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": "*fp16",
+                "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
+                "num_m_blocks": "i32", "topk": "i32", "stride_xm": "i32", "stride_im": "i32"},
+                {"NI": ni, "NK": nk1, "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols,
+                 "BT": 16, "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
+                 "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+            g2 = sass_inspect.compile_jit(W.w4a16_gemm2_kernel, {
+                "inter_ptr": "*fp16", "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
+                "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32",
+                "H": "i32", "num_m_blocks": "i32", "stride_im": "i32", "stride_ym": "i32"},
+                {"NH": nh, "NK": ni, "ROWS": lo.down_rows, "COLS": lo.down_cols, "BT": 16,
+                 "USE_ASM": asm2, "KU": ku, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+            fu = sass_inspect.compile_jit(W.w4a16_fused_kernel, {
+                "x_ptr": "*bf16", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", "w13_ptr": "*u8",
+                "w2_ptr": "*u8", "s13_ptr": "*fp32", "s2_ptr": "*fp32", "acc_ptr": "*fp32",
+                "count_ptr": "*i32", "out_ptr": "*bf16", "E": "i32", "H": "i32",
+                "stride_xm": "i32", "stride_om": "i32"},
+                {"TOPK": K, "NI": ni, "NK1": nk1, "NH": nh, "HP": nh * lo.down_rows,
+                 "ROWS1": lo.gate_up_rows, "COLS1": lo.gate_up_cols, "ROWS2": lo.down_rows,
+                 "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2,
+                 "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+        ent = {}
         for kname, k, wts in (("gemm1", g1, per_step),
-                              ("gemm2", g2, lo.down_rows * lo.down_cols
-                               * W.down_unroll(ni, lo.down_cols)),
+                              ("gemm2", g2, lo.down_rows * lo.down_cols * ku),
                               ("fused", fu, per_step)):
-            from triton.tools.disasm import get_sass
-            loop = sass_inspect.innermost_loop(k.asm.get("sass") or get_sass(k.asm["cubin"]))
-            ent[kname] = (round(len(loop) * 128 / wts, 2), k.metadata.shared,
-                          "warp_group_dot" in k.asm["ttgir"])
-        out[ln] = ent
+            ent[kname] = sass_inspect.analyse(k, warps, wts, wts * 0.5625)
+        out[vn] = ent
     return out
 
 
@@ -246,7 +292,7 @@ class Timer:
         return statistics.median(rounds)
 
 
-def run_shape(name, spec, tokens, layouts, args, timer, device, dtype):
+def run_shape(name, spec, tokens, layouts, variants, args, timer, device, dtype):
     from moe_runtime_triton import ops
     from moe_runtime_triton import w4a16 as W
 
@@ -256,7 +302,8 @@ def run_shape(name, spec, tokens, layouts, args, timer, device, dtype):
     log(f"{name}: E={E} H={H} I={I} topk={K}: weights")
     w = random_nvfp4(E, H, I, device, seed=args.seed)
     pw = ops.prepare_weights(w)
-    wws = {ln: W.prepare_w4a16(w, W.W4A16Layout(*lf)) for ln, lf in layouts.items()}
+    used = sorted({ln for ln, _ in variants.values()})
+    wws = {ln: W.prepare_w4a16(w, W.W4A16Layout(*layouts[ln])) for ln in used}
     rows = []
     for N in tokens:
         sets = input_sets(spec, N, device, dtype, seed=args.seed + N)
@@ -267,15 +314,14 @@ def run_shape(name, spec, tokens, layouts, args, timer, device, dtype):
         row = {"shape": name, "tokens": N, "pairs": N * K, "touched_experts": touched,
                "roofline_us": roof_us, "impls": {}}
         cands = {"today": (lambda s, st=None: ops.fused_moe_prepared(*s, pw, _stages=st), None)}
-        for ln, ww in wws.items():
-            cfgs = {ln: W.default_config(ww, N, K)}
-            if not cfgs[ln]["fused"] and N <= W.FUSED_MAX_TOKENS:
-                # where the one-launch path stops paying: it also runs above FUSED_MAX_PAIRS
-                cfgs[f"{ln}+fused"] = {**cfgs[ln], "fused": True}
-            for cn, cfg in cfgs.items():
-                cands[f"w4a16 {cn}"] = (
-                    lambda s, st=None, ww=ww, cfg=cfg: W.fused_moe_w4a16(*s, ww, config=cfg,
-                                                                         _stages=st), (ww, cfg))
+        for vn, (ln, over) in variants.items():
+            if over.get("fused") and N > W.FUSED_MAX_TOKENS:
+                continue  # the one-launch path's workspace holds FUSED_MAX_TOKENS rows
+            ww = wws[ln]
+            cfg = {**W.default_config(ww, N, K), **over}
+            cands[f"w4a16 {vn}"] = (
+                lambda s, st=None, ww=ww, cfg=cfg: W.fused_moe_w4a16(*s, ww, config=cfg,
+                                                                     _stages=st), (ww, cfg))
         for label, (fn, extra) in cands.items():
             ent = {}
             try:
@@ -290,25 +336,32 @@ def run_shape(name, spec, tokens, layouts, args, timer, device, dtype):
                 ent["ok"] = ent["rel_err"] <= TOL
                 ent["us"] = timer.time(graphs, fns)
                 ent["pct_roof"] = 100.0 * roof_us / ent["us"]
+                del graphs
                 stages = []
                 fn(sets[0], stages)
                 if label == "today":
                     cfg0 = ops.get_config(pw.run_as, E, H, I, K, N)
                     ent["path"] = ops.describe_config(cfg0)
-                    first = _today_first_gemm(stages, cfg0, K)
+                    gemms = _today_gemms(stages, cfg0, K)
                 else:
                     ww, cfg = extra
                     ent["path"] = "fused" if cfg.get("fused") else "grouped"
-                    first = _ours_first_gemm(stages, ww, cfg)
+                    gemms = _ours_gemms(stages, ww, cfg)
                 ent["launches"] = len(stages)
-                ent["sass_per_weight"] = (sass_per_weight(*first) if first and timer.cuda
-                                          else None)
-                del graphs
+                ent["stage_us"] = stage_times(timer, stages)
+                if timer.cuda:
+                    ent["kernels"] = {k: kernel_facts(*v) for k, v in gemms.items()}
+                    first = next(iter(ent["kernels"].values()), None)
+                    ent["sass_per_weight"] = first.get("sass_per_weight") if first else None
             except Exception as exc:  # one failing candidate must not hide the others
                 ent = {"error": f"{type(exc).__name__}: {exc}"[:300], "ok": False}
             row["impls"][label] = ent
-            log(f"  N={N} {label}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else
-                                                f"{k}={v}" for k, v in ent.items()))
+            log(f"  N={N} {label}: " + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in ent.items() if k != "kernels"))
+            for kn, kf in (ent.get("kernels") or {}).items():
+                if kf:
+                    log(f"      {kn}: " + ", ".join(f"{k}={v}" for k, v in kf.items()))
         rows.append(row)
     del w, pw, wws
     if timer.cuda:
@@ -326,31 +379,54 @@ def markdown(meta, rows):
              f"{meta['date']}. Graph-replayed medians (us); roofline = touched expert bytes / "
              f"{READ_GBPS:.0f} GB/s.", "",
              "| shape | tokens | roofline | today | today % roof | W4A16 best | W4A16 % roof | "
-             "speedup | best layout (path) | other layouts | rel err today / ours | "
-             "SASS/w today / ours | launches today / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup | best variant (path) | rel err today / ours | SASS/w today / ours | "
+             "launches today / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, d=1):
         return "-" if v is None else f"{v:.{d}f}"
     for r in rows:
         t = r["impls"].get("today", {})
         bk, b = best_ours(r)
-        others = "; ".join(f"{k.split(' ', 1)[1]} {f(v.get('us'))}" if v.get("ok") else
-                           f"{k.split(' ', 1)[1]} {v.get('error', 'failed check')[:40]}"
-                           for k, v in r["impls"].items() if k not in ("today", bk))
         if b is None:
             lines.append(f"| {r['shape']} | {r['tokens']} | {f(r['roofline_us'])} | "
                          f"{f(t.get('us'))} | {f(t.get('pct_roof'), 0)} | - | - | - | - | "
-                         f"{others} | {f(t.get('rel_err'), 4)} / - | - | - |")
+                         f"{f(t.get('rel_err'), 4)} / - | - | - |")
             continue
         sp = t["us"] / b["us"] if t.get("us") else None
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {f(r['roofline_us'])} | {f(t.get('us'))} | "
             f"{f(t.get('pct_roof'), 0)} | {f(b['us'])} | {f(b['pct_roof'], 0)} | "
-            f"{f(sp, 2)}x | {bk.split(' ', 1)[1]} ({b['path']}) | {others or '-'} | "
+            f"{f(sp, 2)}x | {bk.split(' ', 1)[1]} ({b['path']}) | "
             f"{f(t.get('rel_err'), 4)} / {f(b['rel_err'], 4)} | "
             f"{f(t.get('sass_per_weight'), 2)} / {f(b.get('sass_per_weight'), 2)} | "
             f"{t.get('launches', '-')} / {b.get('launches', '-')} |")
+    lines += ["", "Every candidate: stages timed alone (graphs of "
+              f"{STAGE_REPEATS} launches); GEMM kernels: MMA, registers, CTAs per SM (limiter), "
+              "shared KB, weight KB in flight per SM, shared-memory round trips per K step, "
+              "SASS per weight (benchmarks/sass_inspect.py `analyse`).", "",
+              "| shape | tokens | candidate | us | % roof | rel err | stages (us) | GEMM kernels |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for k, v in r["impls"].items():
+            if "error" in v:
+                lines.append(f"| {r['shape']} | {r['tokens']} | {k} | - | - | - | - | "
+                             f"{v['error'][:80]} |")
+                continue
+            st = " ".join(f"{n} {t}" for n, t in (v.get("stage_us") or {}).items())
+            ks = []
+            for kn, kf in (v.get("kernels") or {}).items():
+                if not kf:
+                    continue
+                ks.append(f"{kn}: {kf.get('mma')} r{kf.get('regs')} "
+                          f"{kf.get('ctas_per_sm')}cta({(kf.get('ctas_limited_by') or '?')[:4]}) "
+                          f"smem {kf.get('shared', 0) // 1024} fl "
+                          f"{(kf.get('weight_bytes_in_flight') or 0) // 1024} "
+                          f"rt {kf.get('loop_round_trips')} {kf.get('sass_per_weight')}/w")
+            lines.append(f"| {r['shape']} | {r['tokens']} | {k} | {f(v.get('us'))} | "
+                         f"{f(v.get('pct_roof'), 0)} | {f(v.get('rel_err'), 4)}"
+                         f"{'' if v.get('ok') else ' FAIL'} | {st or '-'} | "
+                         f"{'; '.join(ks) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -361,9 +437,9 @@ def main(argv=None):
                     help="CPU: Triton's interpreter, a tiny shape, float16 activations")
     ap.add_argument("--shapes", nargs="+", help=f"default: all of {sorted(SHAPES)}")
     ap.add_argument("--tokens", nargs="+", type=int, help="default: 1 16 128 (dry run: 1 4 16)")
-    ap.add_argument("--layouts", nargs="+", help=f"default: all of {sorted(LAYOUTS)}")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=60, help="replays per round")
+    ap.add_argument("--variants", nargs="+", help=f"W4A16 variants; default: all of {sorted(VARIANTS)}")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=40, help="replays per round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sass", action="store_true",
                     help="only compile the W4A16 kernels for sm_90 (no GPU needed) and print "
@@ -374,11 +450,12 @@ def main(argv=None):
         for name in args.shapes or SHAPES:
             if name not in SHAPES:
                 ap.error(f"unknown shape {name!r}; accepted: {sorted(SHAPES)}")
-            sel = {k: LAYOUTS[k] for k in (args.layouts or LAYOUTS)}
-            for ln, ent in compile_counts(SHAPES[name], sel).items():
-                print(f"{name} {ln}: " + "; ".join(
-                    f"{k} {v[0]} SASS/w, shared {v[1]} B{', wgmma' if v[2] else ''}"
-                    for k, v in ent.items()))
+            sel = {k: VARIANTS[k] for k in (args.variants or VARIANTS)}
+            for vn, ent in compile_counts(SHAPES[name], sel).items():
+                for kn, fa in ent.items():
+                    ops_ = fa.pop("loop_ops")
+                    print(f"{name} {vn} {kn}: " + ", ".join(f"{k}={v}" for k, v in fa.items()))
+                    print(f"    loop: {ops_}")
         return 0
     if args.out is None:
         ap.error("--out is required (results.json and results.md are written there)")
@@ -392,11 +469,12 @@ def main(argv=None):
         if bad:
             ap.error(f"unknown shape(s) {bad}; accepted: {sorted(shapes)}")
         shapes = {s: shapes[s] for s in args.shapes}
-    if args.layouts:
-        bad = [s for s in args.layouts if s not in layouts]
+    variants = DRY_VARIANTS if args.dry_run else VARIANTS
+    if args.variants:
+        bad = [s for s in args.variants if s not in variants]
         if bad:
-            ap.error(f"unknown layout(s) {bad}; accepted: {sorted(layouts)}")
-        layouts = {s: layouts[s] for s in args.layouts}
+            ap.error(f"unknown variant(s) {bad}; accepted: {sorted(variants)}")
+        variants = {s: variants[s] for s in args.variants}
     tokens = args.tokens or ([1, 4, 16] if args.dry_run else [1, 16, 128])
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float16
@@ -406,11 +484,11 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "read_gbps": READ_GBPS,
-            "layouts": layouts, "tokens": tokens}
+            "layouts": layouts, "variants": variants, "tokens": tokens}
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     for name, spec in shapes.items():
-        rows += run_shape(name, spec, tokens, layouts, args, timer, device, dtype)
+        rows += run_shape(name, spec, tokens, layouts, variants, args, timer, device, dtype)
         # after every shape: a run cut short by a time limit keeps what it measured
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         md = markdown(meta, rows)

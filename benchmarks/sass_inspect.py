@@ -127,6 +127,137 @@ def innermost_loop(sass: str) -> list[str]:
     return [op for op, _ in instrs[best[0]:best[1]]]
 
 
+
+# ----------------------------------------------------------------------------------------------
+# What bounds a compiled kernel: MMA kind, shared-memory round trips, pipelining, occupancy
+# ----------------------------------------------------------------------------------------------
+
+# sm_90 (H100 / H200) per-SM limits
+SM90 = {"regs": 65536, "smem": 233472, "smem_per_block_reserved": 1024, "warps": 64, "blocks": 32,
+        "reg_granularity_per_warp": 256, "sms": 132}
+
+_MEMDESC = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x(\w+),")
+_TYPE_BYTES = {"i8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "bf16": 2, "f16": 2, "i16": 2, "f32": 4,
+               "i32": 4, "i64": 8}
+
+
+def _resources(cubin: bytes) -> dict:
+    """``{"regs", "local"}`` of the kernel from ``cuobjdump -res-usage`` (Triton's bundled one);
+    LOCAL > 0 means register spills."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(cubin)
+    try:
+        out = subprocess.run([str(tool), "-res-usage", fh.name], capture_output=True, text=True,
+                             check=False).stdout
+    finally:
+        os.unlink(fh.name)
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    return {"regs": int(m.group(1)), "local": int(m.group(2))} if m else {}
+
+
+def occupancy(regs: int, shared: int, warps: int, lim: dict = SM90) -> tuple[int, str]:
+    """Resident CTAs per SM and what limits them (registers, shared memory or warps)."""
+    per_warp = -(-regs * 32 // lim["reg_granularity_per_warp"]) * lim["reg_granularity_per_warp"]
+    by = {"registers": lim["regs"] // max(1, per_warp * warps),
+          "shared memory": lim["smem"] // max(1, shared + lim["smem_per_block_reserved"]),
+          "warps": lim["warps"] // warps, "blocks": lim["blocks"]}
+    n = min(by.values())
+    return n, min(by, key=by.get)
+
+
+def analyse(k, warps: int, weights_per_iter: int, weight_bytes_per_iter: float) -> dict:
+    """Facts about a compiled kernel that bound a weight-streaming GEMM (sm_90):
+
+    - ``mma``: ``wgmma`` (``warp_group_dot``, Hopper's MMA) or ``mma.sync`` (``tt.dot`` with an
+      ``nvidia_mma`` version-2 layout);
+    - ``loop_round_trips``: ``local_alloc`` of computed tensors inside the main loop (a value
+      written to shared memory and read back: a layout conversion or a wgmma operand), with the
+      bytes per iteration they move;
+    - ``buffers`` / ``async_wait``: the software pipeliner's ring depth (leading dimension of
+      the multi-buffered allocations) and how many copy groups it leaves in flight when it waits;
+      ``stage_bytes``: bytes one stage copies (``cp.async`` / TMA); ``weight_bytes_in_flight``:
+      weight bytes in flight per SM while computing = (buffers - 1) x weight bytes of a stage x
+      CTAs per SM;
+    - ``regs``, ``spill_bytes`` (ptxas' local memory), ``shared``, ``ctas_per_sm`` and its
+      limiter, ``warps_per_sm``;
+    - ``sass_per_weight``: hot-loop SASS thread-instructions per weight; ``loop_ops``: its
+      opcode histogram."""
+    ttgir = k.asm["ttgir"]
+    sass = k.asm.get("sass") or ""
+    if not sass:
+        from triton.tools.disasm import get_sass
+        sass = get_sass(k.asm["cubin"])
+    loop = innermost_loop(sass)
+    res = _resources(k.asm["cubin"])
+    shared = k.metadata.shared
+    out = {"mma": "wgmma" if "ttng.warp_group_dot " in ttgir or "warp_group_dot %" in ttgir
+           else ("mma.sync" if re.search(r"versionMajor = 2", ttgir) else "none"),
+           "shared": shared, **res}
+    # the main loop's body in the TTGIR: the outermost scf.for that holds a dot
+    body = ""
+    for m in re.finditer(r"scf\.for ", ttgir):
+        start = m.start()
+        depth, i = 0, ttgir.index("{", start)
+        j = i
+        while j < len(ttgir):
+            if ttgir[j] == "{":
+                depth += 1
+            elif ttgir[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        seg = ttgir[start:j]
+        if ("tt.dot " in seg or "warp_group_dot" in seg) and len(seg) > len(body):
+            body = seg
+    trips = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+)x(\w+),", body)
+    out["loop_round_trips"] = len(trips)
+    out["loop_round_trip_bytes"] = sum(
+        _prod(s) * _TYPE_BYTES.get(t, 2) for s, t in trips)
+    bufs = [(_prod(s.split("x")[1:]) * _TYPE_BYTES.get(t, 1), int(s.split("x")[0]))
+            for s, t in _MEMDESC.findall(ttgir) if s.count("x") >= 2]
+    out["buffers"] = max((n for _, n in bufs), default=0)
+    out["stage_bytes"] = sum(b for b, _ in bufs)
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait .*?\{num = (\d+)", body)]
+    out["async_wait"] = waits
+    out["tma"] = "async_tma_copy" in ttgir or "tma_load" in ttgir
+    ctas, lim = occupancy(res.get("regs", 0), shared, warps) if res else (None, None)
+    out["ctas_per_sm"], out["ctas_limited_by"] = ctas, lim
+    out["warps_per_sm"] = ctas * warps if ctas else None
+    out["weight_bytes_in_flight"] = (int(max(0, out["buffers"] - 1) * weight_bytes_per_iter * ctas)
+                                     if ctas else None)
+    out["sass_per_weight"] = round(len(loop) * 32 * warps / weights_per_iter, 2)
+    out["loop_ops"] = dict(collections.Counter(op.split(".")[0] for op in loop).most_common(12))
+    return out
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in (dims.split("x") if isinstance(dims, str) else dims):
+        n *= int(d)
+    return n
+
+
+def compile_jit(fn, sig: dict, consts: dict, warps: int = 4, stages: int = 3, arch: int = 90,
+                divisible: tuple = ("H", "I")):
+    """Compile a ``@triton.jit`` function for ``sm_<arch>`` without a GPU: ``sig`` gives the
+    runtime arguments' types, the others are ``consts``; pointers, ``stride*`` and the names in
+    ``divisible`` are specialised as multiples of 16 (as the JIT does at a launch)."""
+    sig = dict(sig)
+    for name in fn.arg_names:
+        sig.setdefault(name, "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name.startswith("stride") or name in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=["gemm1", "gemm2", "decode1", "decode2"], default="gemm2")

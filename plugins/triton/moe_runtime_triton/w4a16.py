@@ -9,6 +9,9 @@ was 0.47-0.69x of the default path (benchmarks/RESULTS.md). Design notes: the pl
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import attrs
 import torch
 import triton
@@ -281,7 +284,7 @@ def w4a16_gemm1_kernel(
     P, H, num_m_blocks, topk, stride_xm, stride_im,
     NI: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     BT: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-    IL: tl.constexpr = False,
+    IL: tl.constexpr = False, MMA_SYNC: tl.constexpr = False,
 ):
     """``inter[row, n] = act(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for the sorted rows of
     block ``pid % num_m_blocks`` and the ``ROWS`` columns of tile ``pid // num_m_blocks``, as
@@ -316,7 +319,7 @@ def w4a16_gemm2_kernel(
     inter_ptr, w_ptr, s2_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
     P, H, num_m_blocks, stride_im, stride_ym,
     NH: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-    BT: tl.constexpr, USE_ASM: tl.constexpr, KU: tl.constexpr = 1,
+    BT: tl.constexpr, USE_ASM: tl.constexpr, KU: tl.constexpr = 1, MMA_SYNC: tl.constexpr = False,
 ):
     """``y[pair, n] = rw[pair] * (inter[row] . down[e, n])`` as ``W [ROWS, COLS] @ inter^T``;
     ``KU`` K tiles per loop iteration (``NK % KU == 0``: the loop's overhead over more weights)."""
@@ -354,6 +357,7 @@ def w4a16_fused_kernel(
     TOPK: tl.constexpr, NI: tl.constexpr, NK1: tl.constexpr, NH: tl.constexpr, HP: tl.constexpr,
     ROWS1: tl.constexpr, COLS1: tl.constexpr, ROWS2: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr = False,
+    MMA_SYNC: tl.constexpr = False,
 ):
     """Program ``(pair, j)``: ``h = act(gate_j . x) * (up_j . x)`` (``ROWS1`` intermediate
     columns), then ``acc[tok] += rw * down[:, j] @ h``; the last program of a token writes
@@ -404,16 +408,44 @@ def w4a16_fused_kernel(
 def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
     """``fused``: the one-launch path (a few pairs); else the grouped path with ``BLOCK_T`` tokens
     per expert block (the MMA's N: 16, 32 or 64 from the mean rows per touched expert);
-    ``num_warps`` / ``num_stages`` of the GEMMs."""
-    stages = 4 if torch.cuda.is_available() else 1
+    ``num_warps`` / ``num_stages`` of the GEMMs; ``mma_sync``: the GEMMs' dots as ``mma.sync``
+    rather than Hopper's wgmma (:func:`_mma`)."""
     pairs = max(1, n_tokens * topk)
     fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
     rows = pairs / min(ww.num_experts, pairs)
     bt = 16 if rows <= 16 else 32 if rows <= 48 else 64
-    # shared memory per stage grows with the activations' tile (COLS x BT): 64-token blocks of
-    # the default layout fit the H200's 227 KB with 2 stages (sm_90 compile: 146 KB)
-    return {"fused": fused, "BLOCK_T": bt, "num_warps": 4,
-            "num_stages": stages if bt <= 32 else min(stages, 2)}
+    # mma.sync: the decoded tile stays in registers, 45-80 KB of shared memory (sm_90 compile of
+    # the default layouts, 3 stages); 64-token blocks double the activations' tile
+    stages = (3 if bt <= 32 else 2) if torch.cuda.is_available() else 1
+    return {"fused": fused, "BLOCK_T": bt, "num_warps": 4, "num_stages": stages,
+            "mma_sync": True}
+
+
+@contextlib.contextmanager
+def _mma(cfg: dict):
+    """Launches (and so compilations) of the GEMM kernels under ``cfg["mma_sync"]``.
+
+    On sm_90 Triton lowers a dot of 64 or more rows per warp group to wgmma, whose register
+    operand it does not take in the decode's layout: each K step then writes the decoded tile
+    (4x the weight bytes: float16 of 4-bit codes) to shared memory and reads it back, and the
+    staging buffers (150 KB at 64 x 256) leave one CTA of 4 warps per SM (benchmarks/RESULTS.md,
+    the profile of issue 20). ``mma.sync`` takes the operand from registers in the layout the
+    decode produces, as the default path does. Triton has no per-kernel switch: its
+    ``DISABLE_MMA_V3`` (read when a kernel compiles, part of its cache key) is set around the
+    launch, and the kernels' ``MMA_SYNC`` constexpr keeps the two compilations apart in the JIT's
+    in-memory cache (keyed by the specialisation only)."""
+    if not cfg.get("mma_sync", False):
+        yield False
+        return
+    old = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield True
+    finally:
+        if old is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = old
 
 
 def _use_asm(rows: int, cols: int, warps: int) -> bool:
@@ -506,13 +538,14 @@ def fused_moe_w4a16(
             raise ValueError(f"the fused W4A16 path takes at most {ww.acc.shape[0]} tokens, got {N}")
         asm = _use_asm(lo.gate_up_rows, lo.gate_up_cols, warps) and \
             _use_asm(lo.down_rows, lo.down_cols, warps)
-        go("fused", lambda: w4a16_fused_kernel[(P, NI)](
-            hidden, topk_ids, topk_weights, ww.w13, ww.w2, ww.w13_scale_2, ww.w2_scale_2,
-            ww.acc, ww.count, out, E, H, hidden.stride(0), out.stride(0),
-            TOPK=topk, NI=NI, NK1=NK1, NH=NH, HP=Hp2, ROWS1=lo.gate_up_rows,
-            COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
-            IL=lo.interleave,
-            **_opts(cfg)))
+        with _mma(cfg) as sync:
+            go("fused", lambda: w4a16_fused_kernel[(P, NI)](
+                hidden, topk_ids, topk_weights, ww.w13, ww.w2, ww.w13_scale_2, ww.w2_scale_2,
+                ww.acc, ww.count, out, E, H, hidden.stride(0), out.stride(0),
+                TOPK=topk, NI=NI, NK1=NK1, NH=NH, HP=Hp2, ROWS1=lo.gate_up_rows,
+                COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
+                IL=lo.interleave, MMA_SYNC=sync,
+                **_opts(cfg)))
         return out
     bt = cfg.get("BLOCK_T", BLOCK_T)
     if bt < 16 or bt & (bt - 1):
@@ -523,20 +556,21 @@ def fused_moe_w4a16(
     go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
     nmb = R // bt
     inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
-    go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
-        hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
-        P, H, nmb, topk, hidden.stride(0), inter.stride(0),
-        NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
-        EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
-        IL=lo.interleave,
-        **_opts(cfg)))
     y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
-    go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
-        inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
-        P, H, nmb, inter.stride(0), y.stride(0),
-        NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=bt,
-        USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
-        KU=down_unroll(Ip // lo.down_cols, lo.down_cols), **_opts(cfg)))
+    with _mma(cfg) as sync:
+        go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
+            hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
+            P, H, nmb, topk, hidden.stride(0), inter.stride(0),
+            NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
+            EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
+            IL=lo.interleave, MMA_SYNC=sync,
+            **_opts(cfg)))
+        go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
+            inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
+            P, H, nmb, inter.stride(0), y.stride(0),
+            NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=bt,
+            USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
+            KU=down_unroll(Ip // lo.down_cols, lo.down_cols), MMA_SYNC=sync, **_opts(cfg)))
     bh = min(1024, max(16, triton.next_power_of_2(H)))
     go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
         y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh, num_warps=4))
