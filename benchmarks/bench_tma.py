@@ -93,7 +93,8 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     if kernel == "gemm1":
         fn = tma.tma_gemm1_kernel
         sig = {**descs, "inter_ptr": "*" + dt, "ws_ptr": "*fp32", "a_scale_ptr": "*fp32",
-               "a2_scale_ptr": "*fp32", "bexp_ptr": "*i32", "num_m_blocks": "i32", "H": "i32",
+               "a2_scale_ptr": "*fp32", "bexp_ptr": "*i32", "num_m_blocks": "i32", "num_progs": "i32",
+               "H": "i32",
                "I": "i32", "stride_im": "i32"}
         consts = {"WFMT": wfmt, "ACT": 0, "OUT_FP8": wfmt == K.WFMT_FP8, "EXACT": False,
                   "FUSED_GU": bool(cfg.get("fused_gu", True))}
@@ -101,10 +102,10 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
         fn = tma.tma_gemm2_kernel
         sig = {**descs, "ws_ptr": "*fp32", "a2_scale_ptr": "*fp32", "topk_w_ptr": "*fp32",
                "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32",
-               "num_m_blocks": "i32", "H": "i32", "I": "i32", "stride_ym": "i32"}
+               "num_m_blocks": "i32", "num_progs": "i32", "H": "i32", "I": "i32", "stride_ym": "i32"}
         consts = {"WFMT": wfmt}
     consts.update({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g["GROUP_M"],
-                   "NUM_PROGS": 132, "FLATTEN": bool(cfg.get("flatten", True))})
+                   "FLATTEN": bool(cfg.get("flatten", True))})
     for name in fn.arg_names:
         sig.setdefault(name, "constexpr")
     div16 = {"H", "I", "stride_im", "stride_ym"}
@@ -118,7 +119,8 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     return {"kernel": kernel, "format": fmt, "config": tma.describe(cfg), "regs": regs,
             "spill_bytes": spills, "shared": k.metadata.shared,
             "wgmma": "warp_group_dot" in ttgir, "tma_loads": ttgir.count("async_tma_copy_global"),
-            "convert_layout": ttgir.count("ttg.convert_layout")}
+            "convert_layout": ttgir.count("ttg.convert_layout"),
+            "warp_specialized": "ttg.warp_specialize" in ttgir}
 
 
 def compile_check(args) -> int:
@@ -172,6 +174,71 @@ def _fake_prepared(ops, fmt, spec):
 # --------------------------------------------------------------------------------------------
 
 
+_WARM = {}
+
+
+def _warm_one(task):
+    """Run one (format, path, config) on a small stand-in layer of the same divisibility class
+    (a worker process: the compiled kernels land in Triton's on-disk cache)."""
+    fmt, path, cfg, topk = task
+    try:
+        K, ops, tma = _modules()
+        if fmt not in _WARM:
+            _WARM.clear()
+            lw = B.LayerWeights(16, 2048, 768, "cuda", torch.bfloat16)
+            w = lw.bf16 if fmt == "bf16" else lw.fp8(5.0 / 448, 1.0 / 448)
+            pw = ops.prepare_weights(w)
+            _WARM[fmt] = (pw, tma.prepare_tma(pw))
+        pw, tw = _WARM[fmt]
+        N = 512
+        x = torch.randn(N, 2048, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(0, 16, (N, topk), device="cuda", dtype=torch.int32)
+        wts = torch.rand(N, topk, device="cuda")
+        if path == "today":
+            ops.fused_moe_prepared(x, ids, wts, pw, config=cfg)
+        else:
+            tma.fused_moe_tma(x, ids, wts, tw, config=cfg)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:
+        return f"{fmt} {path} {cfg}: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def warm_compile(shapes, tokens, formats, max_configs, workers):
+    """Compile every kernel variant the run uses once, in parallel processes (Triton caches them
+    on disk; the timing process then loads them)."""
+    import multiprocessing as mp
+
+    K, ops, tma = _modules()
+    seen, tasks = set(), []
+    for sname, spec in shapes.items():
+        for fmt in formats:
+            pw = _fake_prepared(ops, fmt, spec)
+            for N in tokens:
+                cfgs = [("today", ops.get_config(fmt, spec["E"], spec["H"], spec["I"], spec["K"],
+                                                 N))]
+                cfgs += [("tma", c) for c in
+                         tma.config_candidates(pw, N, spec["K"])[:max_configs or None]]
+                for path, c in cfgs:
+                    key = (fmt, path, json.dumps({k: v for k, v in c.items()
+                                                  if k not in ("programs", "programs_per_sm")},
+                                                 sort_keys=True))
+                    if key not in seen:
+                        seen.add(key)
+                        tasks.append((fmt, path, c, spec["K"]))
+    tasks.sort(key=lambda t: t[0])
+    t0 = time.time()
+    errors = []
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for err in pool.imap_unordered(_warm_one, tasks):
+            if err:
+                errors.append(err)
+    B.log(f"warm-up: {len(tasks)} compiles in {time.time() - t0:.0f}s with {workers} workers, "
+          f"{len(errors)} errors")
+    for e in errors[:10]:
+        B.log("   warm error: " + e)
+
+
 def _gemm_tflops(spec, valid_pairs, gemm, seconds):
     H, I = spec["H"], spec["I"]
     flops = valid_pairs * 2 * H * I * (2 if gemm == "gemm1" else 1)
@@ -190,6 +257,8 @@ def run_rows(args) -> int:
     shapes = {k: B.SMOKE_SHAPES[k] for k in ("tiny",)} if args.smoke else \
         {k: B.SHAPES[k] for k in args.shapes}
     tokens = args.tokens
+    if device == "cuda" and args.warm_workers > 0:
+        warm_compile(shapes, tokens, args.formats, args.max_configs, args.warm_workers)
     ceil = B.measure_ceilings(timer, device) if device == "cuda" and not args.no_ceilings else {}
     B.log(f"ceilings: {json.dumps({k: v for k, v in ceil.items() if k != 'read_detail'})}")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
@@ -400,6 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=330.0,
                     help="seconds; rows past it are skipped (weights and compiles included)")
     ap.add_argument("--max-configs", type=int, default=0, help="at most this many TMA configs a row")
+    ap.add_argument("--warm-workers", type=int, default=8,
+                    help="processes compiling the kernels first (0: compile as they run)")
     ap.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul-rate measurement")
     ap.add_argument("--smoke", action="store_true",

@@ -18,7 +18,7 @@ for prefill sizes (about 1024 tokens and more) on Hopper:
    ``w2 [E * H, I]`` both TMA descriptors, the rows scattered to pair order in the epilogue;
 5. combine: :func:`kernels.moe_finalize_kernel` (as the sorted path).
 
-Both GEMMs are persistent: ``NUM_PROGS`` programs (the SM count by default) loop over the used
+Both GEMMs are persistent: ``num_progs`` programs (the SM count by default) loop over the used
 tiles (counted on the device from ``bexp``: nothing data-dependent on the host, so the path is
 CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks so the weight tiles of one
 expert are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so the next
@@ -157,14 +157,14 @@ def _act(g, u, ACT: tl.constexpr):
         return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
 
 
-@triton.jit(do_not_specialize=["num_m_blocks"])
+@triton.jit(do_not_specialize=["num_m_blocks", "num_progs"])
 def tma_gemm1_kernel(
     a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
-    num_m_blocks, H, I, stride_im,
+    num_m_blocks, num_progs, H, I, stride_im,
     WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
     FUSED_GU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """``inter[row, n] = act(xs[row] @ w13[e, n]) * (xs[row] @ w13[e, I + n])`` over the used
     row blocks. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
@@ -177,7 +177,7 @@ def tma_gemm1_kernel(
     k_tiles = tl.cdiv(H, BLOCK_K)
     if WFMT == 1:
         a_scale = tl.load(a_scale_ptr)
-    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+    for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
         e = tl.load(bexp_ptr + pid_m)
         row0 = pid_m * BLOCK_M
@@ -219,13 +219,13 @@ def tma_gemm1_kernel(
             tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=(cols < I)[None, :])
 
 
-@triton.jit(do_not_specialize=["P", "num_m_blocks"])
+@triton.jit(do_not_specialize=["P", "num_m_blocks", "num_progs"])
 def tma_gemm2_kernel(
     a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
-    P, num_m_blocks, H, I, stride_ym,
+    P, num_m_blocks, num_progs, H, I, stride_ym,
     WFMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used blocks."""
     pid = tl.program_id(0)
@@ -235,7 +235,7 @@ def tma_gemm2_kernel(
     k_tiles = tl.cdiv(I, BLOCK_K)
     if WFMT == 1:
         a2 = tl.load(a2_scale_ptr)
-    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+    for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
         e = tl.load(bexp_ptr + pid_m)
         row0 = pid_m * BLOCK_M
@@ -284,32 +284,32 @@ def default_config(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> dict:
 
 
 def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list[dict]:
-    """A small sweep for the benchmark: the default, and tile/stage/group variations."""
+    """A small sweep for the benchmark: the default first, then what each knob buys (stages,
+    tile widths, no loop flattening, one tile per program instead of persistent programs)."""
     base = default_config(pw, n_tokens, topk)
     fp8 = pw.wfmt == K.WFMT_FP8
     bk = 128 if fp8 else 64
-    out = [base]
+    m128 = {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 3),
+            "g2": _gcfg(256, bk, 8, 8, 3)}
+    m64 = {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 8, 4, 4),
+           "g2": _gcfg(256, bk, 8, 4, 3)}
     if base["BLOCK_M"] == 128:
-        out += [
-            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 4),
-             "g2": _gcfg(128, bk, 8, 8, 4)},
-            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(128, bk, 16, 8, 4),
-             "g2": _gcfg(128, bk, 16, 8, 4)},
-            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 32, 8, 3),
-             "g2": _gcfg(256, bk, 32, 8, 3)},
-            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 8, 4, 4),
-             "g2": _gcfg(256, bk, 8, 4, 4)},
+        return [
+            base,
+            {**m128, "g1": _gcfg(256, bk, 8, 8, 4), "g2": _gcfg(128, bk, 8, 8, 4)},
+            {**m128, "g1": _gcfg(128, bk, 16, 8, 4), "g2": _gcfg(128, bk, 16, 8, 4)},
+            {**base, "flatten": False},
+            {**base, "programs": 0},
+            m64,
         ]
-    else:
-        out += [
-            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(128, bk, 8, 4, 4),
-             "g2": _gcfg(128, bk, 8, 4, 4)},
-            {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 16, 4, 4),
-             "g2": _gcfg(256, bk, 16, 4, 3)},
-            {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 3),
-             "g2": _gcfg(256, bk, 8, 8, 3)},
-        ]
-    return out
+    return [
+        base,
+        {**base, "g1": _gcfg(128, bk, 8, 4, 4), "g2": _gcfg(128, bk, 8, 4, 4),
+         "programs_per_sm": 2},
+        {**m64, "g1": _gcfg(256, bk, 16, 4, 4), "g2": _gcfg(256, bk, 16, 4, 3)},
+        {**base, "programs": 0},
+        m128,
+    ]
 
 
 def describe(cfg: dict) -> str:
@@ -318,15 +318,19 @@ def describe(cfg: dict) -> str:
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
             f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
             + (" gu" if cfg.get("fused_gu", True) else " 2dot")
-            + (f" P{cfg['programs']}" if cfg.get("programs") else "")
+            + (f" P{cfg['programs'] or 'tiles'}" if "programs" in cfg else "")
+            + (f" x{cfg['programs_per_sm']}/SM" if cfg.get("programs_per_sm", 1) != 1 else "")
             + ("" if cfg.get("flatten", True) else " noflat"))
 
 
 def _num_programs(device: torch.device, cfg: dict) -> int:
-    if cfg.get("programs"):
-        return int(cfg["programs"])
+    """Programs of a persistent GEMM: ``programs`` if set (0: one per tile, not persistent),
+    else ``programs_per_sm`` (default 1) times the SM count."""
+    if "programs" in cfg:
+        return int(cfg["programs"]) or 1 << 30
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return sms * int(cfg.get("programs_per_sm", 1))
     return 4  # the interpreter: a few programs, so the persistent loops are exercised
 
 
@@ -409,13 +413,14 @@ def fused_moe_tma(
     b1 = TensorDescriptor.from_tensor(tw.w13, [g1["BLOCK_N"], g1["BLOCK_K"]])
     out_n1 = g1["BLOCK_N"] // 2 if tw.fused_gu else g1["BLOCK_N"]
     max_tiles1 = num_m_blocks * triton.cdiv(I, out_n1)
-    go("gemm1", lambda: tma_gemm1_kernel[(min(nprog, max_tiles1),)](
+    grid1 = max(1, min(nprog, max_tiles1))
+    go("gemm1", lambda: tma_gemm1_kernel[(grid1,)](
         a1, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
         pw.a2_scale if fp8 else dummy, bexp,
-        num_m_blocks, H, I, inter.stride(0),
+        num_m_blocks, grid1, H, I, inter.stride(0),
         WFMT=pw.wfmt, ACT=ops._ACT[pw.activation], OUT_FP8=fp8, EXACT=ops.EXACT_FP8,
         FUSED_GU=tw.fused_gu, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"],
-        GROUP_M=g1["GROUP_M"], NUM_PROGS=min(nprog, max_tiles1), FLATTEN=flatten,
+        GROUP_M=g1["GROUP_M"], FLATTEN=flatten,
         **_launch_opts(g1)))
 
     y = torch.empty((P, H), dtype=out_dtype, device=dev)
@@ -423,12 +428,13 @@ def fused_moe_tma(
     a2d = TensorDescriptor.from_tensor(inter, [bm, g2["BLOCK_K"]])
     b2d = TensorDescriptor.from_tensor(tw.w2, [g2["BLOCK_N"], g2["BLOCK_K"]])
     max_tiles2 = num_m_blocks * triton.cdiv(H, g2["BLOCK_N"])
-    go("gemm2", lambda: tma_gemm2_kernel[(min(nprog, max_tiles2),)](
+    grid2 = max(1, min(nprog, max_tiles2))
+    go("gemm2", lambda: tma_gemm2_kernel[(grid2,)](
         a2d, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
         topk_weights, y, sorted_ids, bexp,
-        P, num_m_blocks, H, I, y.stride(0),
+        P, num_m_blocks, grid2, H, I, y.stride(0),
         WFMT=pw.wfmt, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
-        GROUP_M=g2["GROUP_M"], NUM_PROGS=min(nprog, max_tiles2), FLATTEN=flatten,
+        GROUP_M=g2["GROUP_M"], FLATTEN=flatten,
         **_launch_opts(g2)))
 
     bh = min(1024, max(16, ops._p2(H)))
