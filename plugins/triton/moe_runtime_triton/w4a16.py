@@ -409,7 +409,8 @@ def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
     """``fused``: the one-launch path (a few pairs); else the grouped path with ``BLOCK_T`` tokens
     per expert block (the MMA's N: 16, 32 or 64 from the mean rows per touched expert);
     ``num_warps`` / ``num_stages`` of the GEMMs; ``mma_sync``: the GEMMs' dots as ``mma.sync``
-    rather than Hopper's wgmma (:func:`_mma`)."""
+    rather than Hopper's wgmma (:func:`_mma`); ``x_f16`` (not set here): the activations
+    converted to float16 by one launch before the GEMMs (:func:`fused_moe_w4a16`)."""
     pairs = max(1, n_tokens * topk)
     fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
     rows = pairs / min(ww.num_experts, pairs)
@@ -525,11 +526,19 @@ def fused_moe_w4a16(
     hidden = hidden.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
+    cfg = config or default_config(ww, N, topk)
+    if cfg.get("x_f16") and hidden.dtype != torch.float16:
+        # the kernels round the activations to float16 as they load them (the MMA's dtype); done
+        # once here instead (round to nearest even both ways, so the same values): inside the
+        # loop every warp converts the whole activation tile, which costs up to 1.5 SASS
+        # instructions per weight where the tile has few weight rows (sass_inspect: r64k256i)
+        x16 = torch.empty(hidden.shape, dtype=torch.float16, device=hidden.device)
+        go("x_f16", lambda: x16.copy_(hidden))
+        hidden = x16
     lo = ww.layout
     Ip, Hp1, Hp2 = ww.padded
     NI, NK1 = Ip // lo.inter_cols, Hp1 // lo.gate_up_cols
     NH = Hp2 // lo.down_rows
-    cfg = config or default_config(ww, N, topk)
     act = _ACT[ww.activation]
     warps = cfg["num_warps"]
     P = N * topk

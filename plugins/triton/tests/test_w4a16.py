@@ -290,6 +290,30 @@ def test_gpu_bf16_graph_replay_matches_reference_and_today(N):
     assert rel_err(gout, ref) < 1.5e-2
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_activations_converted_once_give_the_same_output(fused, device):
+    """``x_f16``: float32 activations rounded to float16 by one launch before the GEMMs give the
+    output of the kernels' own rounding (bit for bit where the sums run in a fixed order: the
+    fused path adds its partial sums with atomics on GPUs)."""
+    w = make_weights(4, 64, 32, seed=3, device=device)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 64, generator=g) * 3).to(device)
+    ids = torch.randint(0, 4, (3, 2), generator=g, dtype=torch.int32).to(device)
+    wts = torch.rand(3, 2, generator=g).to(device)
+    ww = W.prepare_w4a16(w, W.W4A16Layout(32, 64, 64, 32))
+    cfg = {**W.default_config(ww, 3, 2), "fused": fused}
+    st = []
+    once = W.fused_moe_w4a16(x, ids, wts, ww, config={**cfg, "x_f16": True}, _stages=st)
+    assert st[0][0] == "x_f16"
+    in_loop = W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
+    assert once.dtype == torch.float32
+    if fused and device != "cpu":
+        torch.testing.assert_close(once, in_loop, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(once, in_loop)
+    assert rel_err(once, reference(x.to(torch.float16), ids, wts, w)) < TOL
+
+
 @pytest.mark.parametrize("before", [None, "0"])
 def test_mma_sync_sets_triton_switch_only_around_launches(monkeypatch, before):
     import os
