@@ -93,22 +93,25 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     if kernel == "gemm1":
         fn = tma.tma_gemm1_kernel
         sig = {**descs, "inter_ptr": "*" + dt, "ws_ptr": "*fp32", "a_scale_ptr": "*fp32",
-               "a2_scale_ptr": "*fp32", "bexp_ptr": "*i32", "num_m_blocks": "i32", "num_progs": "i32",
-               "H": "i32",
-               "I": "i32", "stride_im": "i32"}
+               "a2_scale_ptr": "*fp32", "bexp_ptr": "*i32", "x_ptr": "*" + dt,
+               "sorted_ptr": "*i32"}
+        sig.update({n: "i32" for n in ("num_m_blocks", "num_progs", "group_m", "P", "topk", "H",
+                                       "I", "stride_im", "stride_xm")})
         consts = {"WFMT": wfmt, "ACT": 0, "OUT_FP8": wfmt == K.WFMT_FP8, "EXACT": False,
-                  "FUSED_GU": bool(cfg.get("fused_gu", True))}
+                  "FUSED_GU": bool(cfg.get("fused_gu", True)),
+                  "A_GATHER": bool(cfg.get("a_gather", False))}
     else:
         fn = tma.tma_gemm2_kernel
         sig = {**descs, "ws_ptr": "*fp32", "a2_scale_ptr": "*fp32", "topk_w_ptr": "*fp32",
-               "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32",
-               "num_m_blocks": "i32", "num_progs": "i32", "H": "i32", "I": "i32", "stride_ym": "i32"}
+               "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32"}
+        sig.update({n: "i32" for n in ("P", "num_m_blocks", "num_progs", "group_m", "H", "I",
+                                       "stride_ym")})
         consts = {"WFMT": wfmt}
-    consts.update({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g["GROUP_M"],
+    consts.update({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                    "FLATTEN": bool(cfg.get("flatten", True))})
     for name in fn.arg_names:
         sig.setdefault(name, "constexpr")
-    div16 = {"H", "I", "stride_im", "stride_ym"}
+    div16 = {"H", "I", "stride_im", "stride_ym", "stride_xm"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n in div16}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),

@@ -20,8 +20,9 @@ for prefill sizes (about 1024 tokens and more) on Hopper:
 
 Both GEMMs are persistent: ``num_progs`` programs (the SM count by default) loop over the used
 tiles (counted on the device from ``bexp``: nothing data-dependent on the host, so the path is
-CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks so the weight tiles of one
-expert are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so the next
+CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks (by default as many as
+make one wave of the programs) so the weight tiles of one expert and the activation tiles of a
+row block are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so the next
 tile's loads are issued during the epilogue.
 
 Tensor descriptors are host-side (``triton.tools.tensor_descriptor.TensorDescriptor``, Triton 3.4
@@ -157,18 +158,34 @@ def _act(g, u, ACT: tl.constexpr):
         return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
 
 
-@triton.jit(do_not_specialize=["num_m_blocks", "num_progs"])
+@triton.jit
+def _a_tile(a_desc, x_ptr, tok, row_valid, row0, k0, H, stride_xm, A_GATHER: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """GEMM 1's activation tile: a TMA box of the sorted rows, or (``A_GATHER``) the tokens' rows
+    of ``x`` through pointers (zero on padding rows and past ``H``)."""
+    if A_GATHER:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                       mask=row_valid[:, None] & (offs_k < H)[None, :], other=0.0)
+    else:
+        return a_desc.load([row0, k0])
+
+
+@triton.jit(do_not_specialize=["num_m_blocks", "num_progs", "group_m", "P", "topk"])
 def tma_gemm1_kernel(
     a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
-    num_m_blocks, num_progs, H, I, stride_im,
+    x_ptr, sorted_ptr,
+    num_m_blocks, num_progs, group_m, P, topk, H, I, stride_im, stride_xm,
     WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
-    FUSED_GU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FUSED_GU: tl.constexpr, A_GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
     """``inter[row, n] = act(xs[row] @ w13[e, n]) * (xs[row] @ w13[e, I + n])`` over the used
     row blocks. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
-    columns; otherwise a tile is ``BLOCK_N`` output columns from two B tiles and two dots."""
+    columns; otherwise a tile is ``BLOCK_N`` output columns from two B tiles and two dots.
+    ``A_GATHER``: the activation rows are read from ``x`` (``[N, H]``, through ``sorted``) instead
+    of the gathered ``a_desc``."""
     pid = tl.program_id(0)
     used = _used_blocks(bexp_ptr, num_m_blocks, 1024)
     OUT_N: tl.constexpr = BLOCK_N // 2 if FUSED_GU else BLOCK_N
@@ -178,15 +195,22 @@ def tma_gemm1_kernel(
     if WFMT == 1:
         a_scale = tl.load(a_scale_ptr)
     for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
-        pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
+        pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
         e = tl.load(bexp_ptr + pid_m)
         row0 = pid_m * BLOCK_M
         cols = pid_n * OUT_N + tl.arange(0, OUT_N)
+        tok = tl.zeros((BLOCK_M,), dtype=tl.int64)
+        row_valid = tl.zeros((BLOCK_M,), dtype=tl.int1)
+        if A_GATHER:
+            pair = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
+            row_valid = pair < P
+            tok = tl.where(row_valid, pair // topk, 0).to(tl.int64)
         if FUSED_GU:
             brow = e * (2 * I) + pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(k_tiles):
-                a = a_desc.load([row0, kk * BLOCK_K])
+                a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
+                            A_GATHER, BLOCK_K)
                 b = b_desc.load([brow, kk * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
             if WFMT == 1:
@@ -199,7 +223,8 @@ def tma_gemm1_kernel(
             g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(k_tiles):
-                a = a_desc.load([row0, kk * BLOCK_K])
+                a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
+                            A_GATHER, BLOCK_K)
                 bg = b_desc.load([brow, kk * BLOCK_K])
                 bu = b_desc.load([brow + I, kk * BLOCK_K])
                 g = tl.dot(a, bg.T, g)
@@ -219,12 +244,12 @@ def tma_gemm1_kernel(
             tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=(cols < I)[None, :])
 
 
-@triton.jit(do_not_specialize=["P", "num_m_blocks", "num_progs"])
+@triton.jit(do_not_specialize=["P", "num_m_blocks", "num_progs", "group_m"])
 def tma_gemm2_kernel(
     a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
-    P, num_m_blocks, num_progs, H, I, stride_ym,
+    P, num_m_blocks, num_progs, group_m, H, I, stride_ym,
     WFMT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
     """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used blocks."""
@@ -236,7 +261,7 @@ def tma_gemm2_kernel(
     if WFMT == 1:
         a2 = tl.load(a2_scale_ptr)
     for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
-        pid_m, pid_n = K._tile_coords(tile, used, num_n, GROUP_M)
+        pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
         e = tl.load(bexp_ptr + pid_m)
         row0 = pid_m * BLOCK_M
         brow = e * H + pid_n * BLOCK_N
@@ -271,56 +296,71 @@ def _gcfg(bn, bk, group_m, warps, stages):
 
 def default_config(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> dict:
     """A starting config from the shape (the benchmark sweeps around it). ``g1.BLOCK_N`` counts
-    weight rows of a tile: with ``fused_gu`` (the default) half of them are gate, half up."""
+    weight rows of a tile: with ``fused_gu`` (the default) half of them are gate, half up.
+    ``GROUP_M`` 0: as many row blocks per group as make one wave of the programs
+    (``programs // n_tiles``), so the concurrent tiles share their activation and weight tiles.
+
+    64-row blocks below 160 rows per expert: the padding of each expert's last block is computed
+    like real rows, and at 4096 tokens of DeepSeek-V3 (routed with its bias: about 215 experts
+    touched) 128-row blocks are 34% padding, 64-row blocks 19%."""
     pairs = max(1, n_tokens * topk)
     rows_per_expert = pairs / max(1, min(pw.num_experts, pairs))
     fp8 = pw.wfmt == K.WFMT_FP8
     bk = 128 if fp8 else 64
-    if rows_per_expert <= 64:
+    if rows_per_expert <= 160:
         return {"BLOCK_M": 64, "fused_gu": True,
-                "g1": _gcfg(256, bk, 8, 4, 4), "g2": _gcfg(128, bk, 8, 4, 4)}
+                "g1": _gcfg(256, bk, 0, 8, 3), "g2": _gcfg(256, bk, 0, 8, 3)}
     return {"BLOCK_M": 128, "fused_gu": True,
-            "g1": _gcfg(256, bk, 8, 8, 3), "g2": _gcfg(256, bk, 8, 8, 3)}
+            "g1": _gcfg(256, bk, 0, 8, 3), "g2": _gcfg(256, bk, 0, 8, 3)}
 
 
 def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list[dict]:
-    """A small sweep for the benchmark: the default first, then what each knob buys (stages,
-    tile widths, no loop flattening, one tile per program instead of persistent programs)."""
+    """A small sweep for the benchmark: the default first, then what each knob buys (block
+    height, warps, stages, tile widths, the activation gathered in the loop instead of once,
+    tile grouping, loop flattening, one tile per program instead of persistent programs)."""
     base = default_config(pw, n_tokens, topk)
     fp8 = pw.wfmt == K.WFMT_FP8
     bk = 128 if fp8 else 64
-    m128 = {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 8, 8, 3),
-            "g2": _gcfg(256, bk, 8, 8, 3)}
-    m64 = {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 8, 4, 4),
-           "g2": _gcfg(256, bk, 8, 4, 3)}
-    if base["BLOCK_M"] == 128:
-        return [
-            base,
-            {**m128, "g1": _gcfg(256, bk, 8, 8, 4), "g2": _gcfg(128, bk, 8, 8, 4)},
-            {**m128, "g1": _gcfg(128, bk, 16, 8, 4), "g2": _gcfg(128, bk, 16, 8, 4)},
-            {**base, "flatten": False},
-            {**base, "programs": 0},
-            m64,
-        ]
-    return [
+    m128 = {"BLOCK_M": 128, "fused_gu": True, "g1": _gcfg(256, bk, 0, 8, 3),
+            "g2": _gcfg(256, bk, 0, 8, 3)}
+    m64 = {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 0, 8, 3),
+           "g2": _gcfg(256, bk, 0, 8, 3)}
+    m64w4 = {"BLOCK_M": 64, "fused_gu": True, "g1": _gcfg(256, bk, 0, 4, 4),
+             "g2": _gcfg(128, bk, 0, 4, 4)}
+    other = m64 if base["BLOCK_M"] == 128 else m128
+    out = [
         base,
-        {**base, "g1": _gcfg(128, bk, 8, 4, 4), "g2": _gcfg(128, bk, 8, 4, 4),
-         "programs_per_sm": 2},
-        {**m64, "g1": _gcfg(256, bk, 16, 4, 4), "g2": _gcfg(256, bk, 16, 4, 3)},
+        other,
+        {**base, "a_gather": True},
+        {**other, "a_gather": True},
+        m64w4,
+        {**m64w4, "g1": _gcfg(128, bk, 0, 4, 4), "programs_per_sm": 2},
+        {**base, "g1": {**base["g1"], "GROUP_M": 8}, "g2": {**base["g2"], "GROUP_M": 8}},
+        {**base, "flatten": False},
         {**base, "programs": 0},
-        m128,
     ]
+    if base["BLOCK_M"] == 128:
+        out.append({**m128, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(128, bk, 0, 8, 4)})
+    return out
 
 
 def describe(cfg: dict) -> str:
     g1, g2 = cfg["g1"], cfg["g2"]
-    return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
+
+    def grp(g):
+        return f"G{g['GROUP_M'] or 'auto'}"
+    return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} {grp(g1)} "
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
-            f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
+            f"{grp(g2)} w{g2['num_warps']} s{g2['num_stages']}]"
             + (" gu" if cfg.get("fused_gu", True) else " 2dot")
+            + (" a-gather" if cfg.get("a_gather") else "")
             + (f" P{cfg['programs'] or 'tiles'}" if "programs" in cfg else "")
             + (f" x{cfg['programs_per_sm']}/SM" if cfg.get("programs_per_sm", 1) != 1 else "")
             + ("" if cfg.get("flatten", True) else " noflat"))
+
+
+def _group_m(g: dict, programs: int, num_n: int) -> int:
+    return int(g["GROUP_M"]) or max(1, programs // max(1, num_n))
 
 
 def _num_programs(device: torch.device, cfg: dict) -> int:
@@ -396,31 +436,47 @@ def fused_moe_tma(
     else:
         quant, a_scale = False, None
         a_dtype = inter_dtype = compute
-    xs = torch.empty((R, H), dtype=a_dtype, device=dev)
-    rows_g = min(bm, 16)
-    bh = min(1024, max(16, ops._p2(H)))
     dummy = bexp
-    go("gather", lambda: tma_gather_kernel[(R // rows_g, triton.cdiv(H, bh))](
-        hidden, sorted_ids, bexp, xs, a_scale if quant else dummy, P, H, topk,
-        hidden.stride(0), xs.stride(0),
-        QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=bm, ROWS=rows_g, BLOCK_H=bh, num_warps=4))
+    g1 = cfg["g1"]
+    a_gather = bool(cfg.get("a_gather", False))
+    if a_gather:
+        # GEMM 1 reads the tokens' rows itself; fp8: quantized once per token first
+        x = hidden
+        if quant:
+            x = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device=dev)
+            blk = 4096
+            go("quant_fp8", lambda: K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
+                hidden, x, a_scale, hidden.numel(), BLOCK=blk, EXACT=ops.EXACT_FP8,
+                num_warps=8))
+        # a descriptor of the right type for the unused TMA operand
+        a1 = TensorDescriptor.from_tensor(tw.w13, [bm, g1["BLOCK_K"]])
+    else:
+        x = hidden
+        xs = torch.empty((R, H), dtype=a_dtype, device=dev)
+        rows_g = min(bm, 16)
+        bh = min(1024, max(16, ops._p2(H)))
+        go("gather", lambda: tma_gather_kernel[(R // rows_g, triton.cdiv(H, bh))](
+            hidden, sorted_ids, bexp, xs, a_scale if quant else dummy, P, H, topk,
+            hidden.stride(0), xs.stride(0),
+            QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=bm, ROWS=rows_g, BLOCK_H=bh,
+            num_warps=4))
+        a1 = TensorDescriptor.from_tensor(xs, [bm, g1["BLOCK_K"]])
 
     inter = torch.empty((R, I), dtype=inter_dtype, device=dev)
     nprog = _num_programs(dev, cfg)
     flatten = bool(cfg.get("flatten", True))
-    g1 = cfg["g1"]
-    a1 = TensorDescriptor.from_tensor(xs, [bm, g1["BLOCK_K"]])
     b1 = TensorDescriptor.from_tensor(tw.w13, [g1["BLOCK_N"], g1["BLOCK_K"]])
     out_n1 = g1["BLOCK_N"] // 2 if tw.fused_gu else g1["BLOCK_N"]
     max_tiles1 = num_m_blocks * triton.cdiv(I, out_n1)
     grid1 = max(1, min(nprog, max_tiles1))
+    group1 = _group_m(g1, grid1, triton.cdiv(I, out_n1))
     go("gemm1", lambda: tma_gemm1_kernel[(grid1,)](
         a1, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
-        pw.a2_scale if fp8 else dummy, bexp,
-        num_m_blocks, grid1, H, I, inter.stride(0),
+        pw.a2_scale if fp8 else dummy, bexp, x, sorted_ids,
+        num_m_blocks, grid1, group1, P, topk, H, I, inter.stride(0), x.stride(0),
         WFMT=pw.wfmt, ACT=ops._ACT[pw.activation], OUT_FP8=fp8, EXACT=ops.EXACT_FP8,
-        FUSED_GU=tw.fused_gu, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"], BLOCK_K=g1["BLOCK_K"],
-        GROUP_M=g1["GROUP_M"], FLATTEN=flatten,
+        FUSED_GU=tw.fused_gu, A_GATHER=a_gather, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"],
+        BLOCK_K=g1["BLOCK_K"], FLATTEN=flatten,
         **_launch_opts(g1)))
 
     y = torch.empty((P, H), dtype=out_dtype, device=dev)
@@ -429,12 +485,13 @@ def fused_moe_tma(
     b2d = TensorDescriptor.from_tensor(tw.w2, [g2["BLOCK_N"], g2["BLOCK_K"]])
     max_tiles2 = num_m_blocks * triton.cdiv(H, g2["BLOCK_N"])
     grid2 = max(1, min(nprog, max_tiles2))
+    group2 = _group_m(g2, grid2, triton.cdiv(H, g2["BLOCK_N"]))
     go("gemm2", lambda: tma_gemm2_kernel[(grid2,)](
         a2d, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
         topk_weights, y, sorted_ids, bexp,
-        P, num_m_blocks, grid2, H, I, y.stride(0),
+        P, num_m_blocks, grid2, group2, H, I, y.stride(0),
         WFMT=pw.wfmt, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
-        GROUP_M=g2["GROUP_M"], FLATTEN=flatten,
+        FLATTEN=flatten,
         **_launch_opts(g2)))
 
     bh = min(1024, max(16, ops._p2(H)))

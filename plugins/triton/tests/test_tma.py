@@ -25,10 +25,11 @@ from moe_runtime.quant import dequantize_fp8, quantize_fp8_per_tensor
 FMTS = ["fp16", "bf16", "fp8_w8a8"]
 
 
-def _cfg(bm=16, bn1=32, bn2=32, bk=32, group_m=2, fused_gu=True, programs=None):
+def _cfg(bm=16, bn1=32, bn2=32, bk=32, group_m=2, fused_gu=True, programs=None,
+         a_gather=False):
     cfg = {"BLOCK_M": bm, "fused_gu": fused_gu, "g1": tma._gcfg(bn1, bk, group_m, 4, 2),
-           "g2": tma._gcfg(bn2, bk, group_m, 4, 2)}
-    if programs:
+           "g2": tma._gcfg(bn2, bk, group_m, 4, 2), "a_gather": a_gather}
+    if programs is not None:
         cfg["programs"] = programs
     return cfg
 
@@ -65,12 +66,33 @@ def test_random_routing(fmt, fused_gu, device):
     _check(fmt, E, H, I, ids, device, cfg=_cfg(fused_gu=fused_gu, bn1=32 if fused_gu else 16))
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_persistent_programs_cover_every_tile(programs, device):
-    """Fewer programs than tiles (each loops), and more programs than tiles (the rest idle)."""
+@pytest.mark.parametrize("fmt", FMTS)
+def test_activation_gathered_in_the_loop(fmt, device):
+    """``a_gather``: GEMM 1 reads the tokens' rows of ``x`` itself (fp8: quantized once per
+    token first) instead of the gathered copy; same results."""
+    E, H, I, N, K = 8, 80, 32, 11, 3  # H = 80: a partial K tile through the pointer loads
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    ids[3, 1] = -1
+    _check(fmt, E, H, I, ids, device, cfg=_cfg(a_gather=True), seed=7)
+
+
+@pytest.mark.parametrize("programs,group_m", [(1, 1), (3, 2), (64, 0), (0, 0)])
+def test_persistent_programs_cover_every_tile(programs, group_m, device):
+    """Fewer programs than tiles (each loops), more programs than tiles (the rest idle), one
+    program per tile (``programs`` 0); row groups of 1, 2 and the default (one wave)."""
     E, H, I, N, K = 4, 64, 64, 21, 2
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
-    _check("fp16", E, H, I, ids, device, cfg=_cfg(programs=programs, group_m=1), seed=1)
+    _check("fp16", E, H, I, ids, device, cfg=_cfg(programs=programs, group_m=group_m), seed=1)
+
+
+def test_no_valid_pair(device):
+    """Every pair on another rank: no used row block, no tile; the output is zero."""
+    w = make_weights("fp16", 4, 64, 32, device=device)
+    tw = tma.prepare_tma(ops.prepare_weights(w))
+    ids = torch.full((5, 2), -1, dtype=torch.int32, device=device)
+    out = tma.fused_moe_tma(torch.randn(5, 64, device=device).half(), ids,
+                            torch.rand(5, 2, device=device), tw, config=_cfg())
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_one_expert_many_blocks_and_empty_experts(device):
@@ -127,6 +149,7 @@ def test_default_config_runs(device):
     pw = ops.prepare_weights(w)
     cfg = tma.default_config(pw, N, K)
     assert cfg["BLOCK_M"] == 64 and cfg["g1"]["BLOCK_N"] == 256  # few rows per expert
+    assert tma.default_config(pw, 4096, K)["BLOCK_M"] == 128
     _check("fp16", E, H, I, ids, device, cfg=cfg, seed=6)
 
 
@@ -210,7 +233,10 @@ def test_bench_dry_run_plans_every_row(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].startswith("18 rows")
     row = next(ln for ln in lines if ln.startswith("deepseek-v3 N=4096 bf16:"))
-    assert "today [M128" in row and "tma M128 g1[N256" in row
+    # 128 rows per expert: 64-row blocks first (less padding), 128-row ones second
+    assert "today [M128" in row and "tma M64 g1[N256" in row and "; M128 g1[N256" in row
+    row = next(ln for ln in lines if ln.startswith("deepseek-v3 N=16384 fp8_w8a8:"))
+    assert "tma M128 g1[N256 K128" in row
 
 
 def test_kernels_compile_for_sm90_with_wgmma_and_tma():
