@@ -191,8 +191,9 @@ def _warm_one(task):
             lw = B.LayerWeights(16, 2048, 768, "cuda", torch.bfloat16)
             w = lw.bf16 if fmt == "bf16" else lw.fp8(5.0 / 448, 1.0 / 448)
             pw = ops.prepare_weights(w)
-            _WARM[fmt] = (pw, tma.prepare_tma(pw))
-        pw, tw = _WARM[fmt]
+            _WARM[fmt] = (pw, {True: tma.prepare_tma(pw), False: tma.prepare_tma(pw, False)})
+        pw, tws = _WARM[fmt]
+        tw = tws[bool(cfg.get("fused_gu", True))]
         N = 512
         x = torch.randn(N, 2048, device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, 16, (N, topk), device="cuda", dtype=torch.int32)
@@ -287,7 +288,7 @@ def run_rows(args) -> int:
         for fmt in args.formats:
             w = lw.bf16 if fmt == "bf16" else lw.fp8(a13, a2)
             pw = ops.prepare_weights(w)
-            tw = tma.prepare_tma(pw, fused_gu=True)
+            tw = {True: tma.prepare_tma(pw, fused_gu=True), False: tma.prepare_tma(pw, False)}
             for N in tokens:
                 if time.time() - t_start > args.time_budget:
                     B.log(f"   time budget spent: skipping {sname} N={N} {fmt}")
@@ -340,14 +341,15 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
     for cfg in cands:
         ent = {"config": tma.describe(cfg)}
         try:
-            out = tma.fused_moe_tma(x0, ids0, wts0, tw, config=cfg)
+            twc = tw[bool(cfg.get("fused_gu", True))]
+            out = tma.fused_moe_tma(x0, ids0, wts0, twc, config=cfg)
             err = B.rel_err(out, ref)
             ent["rel_err_vs_today"] = round(err, 5)
             if not err <= B.TOL[fmt]:
                 ent["error"] = f"rel err {err:.3g} vs today's path > {B.TOL[fmt]}"
             else:
                 ent["us"] = round(timer.run(
-                    [lambda s=s: tma.fused_moe_tma(s[0], s[1], s[2], tw, config=cfg)
+                    [lambda s=s: tma.fused_moe_tma(s[0], s[1], s[2], twc, config=cfg)
                      for s in sets]) * 1e6, 1)
         except Exception as exc:
             ent["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -361,8 +363,9 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
             row["tma_pct_flops_roof"] = round(100 * row["roofline_flops_us"] / best_us, 1)
             row["today_pct_flops_roof"] = round(100 * row["roofline_flops_us"] / row["today_us"], 1)
         if not args.no_stages:
-            row["stages_us"] = _stage_times(timer, tma, x0, ids0, wts0, tw, cands[bi], spec,
-                                            valid_pairs, rate, row)
+            row["stages_us"] = _stage_times(timer, tma, x0, ids0, wts0,
+                                            tw[bool(cands[bi].get("fused_gu", True))], cands[bi],
+                                            spec, valid_pairs, rate, row)
     return row
 
 

@@ -7,7 +7,8 @@ for prefill sizes (about 1024 tokens and more) on Hopper:
    ``bexp`` the expert of each row block, -1 past the used ones);
 2. gather (:func:`tma_gather_kernel`): ``xs[row] = x[pair // topk]`` once, in sorted order
    (padding rows zero; fp8: quantized with the input scale here), so GEMM 1's activation tile is a
-   plain 2-D TMA box instead of ``BLOCK_M`` gathered rows per K step;
+   plain 2-D TMA box instead of ``BLOCK_M`` gathered rows per K step (config ``a_gather``: no
+   copy, GEMM 1 gathers the rows through pointers as the sorted path does, its B still by TMA);
 3. GEMM 1 (:func:`tma_gemm1_kernel`): ``inter = act(xs @ w_gate^T) * (xs @ w_up^T)``. The weights
    of all experts are one 2-D ``[E * 2I, H]`` TMA descriptor (a tile of expert ``e`` starts at row
    ``e * 2I + n``). With ``FUSED_GU`` the gate and up rows are interleaved at prepare time (row
@@ -22,8 +23,8 @@ Both GEMMs are persistent: ``num_progs`` programs (the SM count by default) loop
 tiles (counted on the device from ``bexp``: nothing data-dependent on the host, so the path is
 CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks (by default as many as
 make one wave of the programs) so the weight tiles of one expert and the activation tiles of a
-row block are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so the next
-tile's loads are issued during the epilogue.
+row block are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so
+the next tile's loads are issued during the epilogue.
 
 Tensor descriptors are host-side (``triton.tools.tensor_descriptor.TensorDescriptor``, Triton 3.4
 and later; the interpreter runs them too). TMA needs 16-byte aligned rows: ``H`` and ``I`` times
@@ -43,7 +44,6 @@ from moe_runtime_triton import ops
 
 # formats this path runs: the ones whose weights feed the MMA as they are (no decode in the loop)
 TMA_WFMTS = (K.WFMT_16BIT, K.WFMT_FP8)
-USED_SCAN = 1024  # row blocks of ``bexp`` read per step when counting the used ones
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,6 +338,8 @@ def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list
         {**base, "g1": {**base["g1"], "GROUP_M": 8}, "g2": {**base["g2"], "GROUP_M": 8}},
         {**base, "flatten": False},
         {**base, "programs": 0},
+        # gate and up as two tiles and two dots: no interleaved copy of the weights
+        {**base, "fused_gu": False, "g1": {**base["g1"], "BLOCK_N": base["g1"]["BLOCK_N"] // 2}},
     ]
     if base["BLOCK_M"] == 128:
         out.append({**m128, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(128, bk, 0, 8, 4)})

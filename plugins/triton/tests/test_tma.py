@@ -180,8 +180,9 @@ def test_config_candidates_are_valid():
     for n in (16, 4096):
         cands = tma.config_candidates(pw, n, 2)
         assert len({tma.describe(c) for c in cands}) == len(cands)  # no duplicates
+        assert cands[0]["fused_gu"] and not all(c["fused_gu"] for c in cands)
         for c in cands:
-            assert c["fused_gu"] and c["g1"]["BLOCK_N"] % 2 == 0
+            assert c["g1"]["BLOCK_N"] % 2 == 0 and c["BLOCK_M"] in (64, 128)
 
 
 @pytest.mark.gpu
@@ -196,8 +197,9 @@ def test_gpu_real_shape_slice(fmt):
     ids = ids.to("cuda", torch.int32)
     today = ops.fused_moe_prepared(x, ids, wts, pw)
     ref = reference(x, ids, wts, w)
+    tws = {gu: tma.prepare_tma(pw, gu) for gu in (True, False)}
     for cfg in tma.config_candidates(pw, N, K):
-        out = tma.fused_moe_tma(x, ids, wts, tma.prepare_tma(pw), config=cfg)
+        out = tma.fused_moe_tma(x, ids, wts, tws[cfg["fused_gu"]], config=cfg)
         assert rel_err(out, ref) < 2e-2, tma.describe(cfg)
         assert rel_err(out, today) < 2e-2, tma.describe(cfg)
 
