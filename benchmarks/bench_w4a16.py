@@ -58,6 +58,8 @@ LAYOUTS = {  # name -> W4A16Layout(gate_up_rows, gate_up_cols, down_rows, down_c
     # gate and up rows alternate in one 64-row tile: 32 intermediate columns per program, twice
     # the programs of r64k256 (the one-launch path at 1 token)
     "r64k256i": (64, 256, 128, 32, True),
+    # the same with 64-row down tiles: twice the GEMM 2 programs (a few pairs)
+    "r64k256i_d64": (64, 256, 64, 32, True),
 }
 DRY_LAYOUTS = {"r32k64": (32, 64, 64, 32)}
 # the W4A16 variants timed per row: (layout, config overrides of W.default_config); "wgmma s4"
@@ -69,10 +71,18 @@ VARIANTS = {
     "r64k256i sync s3 x16": ("r64k256i", {"mma_sync": True, "num_stages": 3, "x_f16": True}),
     "r128k128 sync s3 x16": ("r128k128", {"mma_sync": True, "num_stages": 3, "x_f16": True}),
     "r128k128 wgmma s4": ("r128k128", {"mma_sync": False, "num_stages": 4}),
+    # a few pairs: GEMM 1, GEMM 2, finalize with a block per pair and no routing launch
+    "r64k256i sync s3 x16 pairs": ("r64k256i", {"mma_sync": True, "num_stages": 3,
+                                               "x_f16": True, "fused": False, "pairs": True}),
+    "r64k256i_d64 sync s3 x16 pairs": ("r64k256i_d64", {"mma_sync": True, "num_stages": 3,
+                                                       "x_f16": True, "fused": False,
+                                                       "pairs": True}),
 }
 DRY_VARIANTS = {"r32k64 sync": ("r32k64", {"mma_sync": True}),
                 "r32k64 wgmma": ("r32k64", {"mma_sync": False}),
-                "r32k64 sync fused": ("r32k64", {"mma_sync": True, "fused": True})}
+                "r32k64 sync fused": ("r32k64", {"mma_sync": True, "fused": True}),
+                "r32k64 sync pairs": ("r32k64", {"mma_sync": True, "fused": False,
+                                                 "pairs": True})}
 STAGE_REPEATS = 10  # launches of one stage per captured graph (per-stage times)
 
 
@@ -229,10 +239,11 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
         asm2 = W._use_asm(lo.down_rows, lo.down_cols, warps)
         ku = W.down_unroll(ni, lo.down_cols)
         per_step = (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols
+        x = "*fp16" if cfg.get("x_f16") else "*bf16"
         with W._mma(cfg) as sync:
             g1 = sass_inspect.compile_jit(W.w4a16_gemm1_kernel, {
-                "x_ptr": "*bf16", "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": "*fp16",
-                "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "H": "i32",
+                "x_ptr": x, "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": "*fp16",
+                "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "E": "i32", "H": "i32",
                 "num_m_blocks": "i32", "topk": "i32", "stride_xm": "i32", "stride_im": "i32"},
                 {"NI": ni, "NK": nk1, "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols,
                  "BT": 16, "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
@@ -240,11 +251,11 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
             g2 = sass_inspect.compile_jit(W.w4a16_gemm2_kernel, {
                 "inter_ptr": "*fp16", "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
                 "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32",
-                "H": "i32", "num_m_blocks": "i32", "stride_im": "i32", "stride_ym": "i32"},
+                "E": "i32", "H": "i32", "num_m_blocks": "i32", "stride_im": "i32", "stride_ym": "i32"},
                 {"NH": nh, "NK": ni, "ROWS": lo.down_rows, "COLS": lo.down_cols, "BT": 16,
                  "USE_ASM": asm2, "KU": ku, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
             fu = sass_inspect.compile_jit(W.w4a16_fused_kernel, {
-                "x_ptr": "*bf16", "ids_ptr": "*i32", "topk_w_ptr": "*fp32", "w13_ptr": "*u8",
+                "x_ptr": x, "ids_ptr": "*i32", "topk_w_ptr": "*fp32", "w13_ptr": "*u8",
                 "w2_ptr": "*u8", "s13_ptr": "*fp32", "s2_ptr": "*fp32", "acc_ptr": "*fp32",
                 "count_ptr": "*i32", "out_ptr": "*bf16", "E": "i32", "H": "i32",
                 "stride_xm": "i32", "stride_om": "i32"},
@@ -259,6 +270,103 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
             ent[kname] = sass_inspect.analyse(k, warps, wts, wts * 0.5625)
         out[vn] = ent
     return out
+
+
+def today_facts(spec, n_tokens):
+    """Today's kernels for a row (the tuned table's config), compiled for sm_90 without a GPU:
+    ``(config, {stage: facts})``."""
+    import types
+
+    import sass_inspect
+    from moe_runtime_triton import ops
+
+    E, H, I, K = spec["E"], spec["H"], spec["I"], spec["K"]
+    cfg = ops.get_config("nvfp4_w4a16", E, H, I, K, n_tokens)
+    out = {}
+    if cfg.get("decode"):
+        kinds = (("decode_gemm1", "decode1", cfg["d1"], 2), ("decode_gemm2", "decode2", cfg["d2"],
+                                                              1 << (K - 1).bit_length()))
+    else:
+        kinds = (("gemm1", "gemm1", cfg["g1"], 2), ("gemm2", "gemm2", cfg["g2"], 1))
+    for stage, kern, c, mats in kinds:
+        a = types.SimpleNamespace(kernel=kern, wfmt=2, block_m=cfg.get("BLOCK_M", 16),
+                                  block_n=c["BLOCK_N"], block_k=c["BLOCK_K"],
+                                  warps=c["num_warps"], stages=c["num_stages"], arch=90,
+                                  x_fp16=False, asm=True)
+        k = sass_inspect.compile_kernel(a)
+        wts = mats * c["BLOCK_N"] * c["BLOCK_K"]
+        out[stage] = sass_inspect.analyse(k, c["num_warps"], wts, wts * 0.5625)
+    return cfg, out
+
+
+def grid_report(spec, tokens, variants, layouts=LAYOUTS, sms=132):
+    """Programs of every GEMM launch against the SMs' resident CTAs, per row: routing simulated
+    as the benchmark draws it (uniform logits, top-k), mean of 3 draws; ``waves`` = programs /
+    (SMs x CTAs per SM). Lines of text."""
+    from moe_runtime_triton import w4a16 as W
+
+    E, H, I, K = spec["E"], spec["H"], spec["I"], spec["K"]
+    var_facts = compile_counts(spec, variants, layouts)
+    lines = []
+    for N in tokens:
+        sets = input_sets(spec, N, "cpu", torch.float32, seed=N)
+        counts = [torch.bincount(ids.reshape(-1).long(), minlength=E) for _, ids, _ in sets]
+
+        def blocks(bm):
+            return statistics.mean(int(((c + bm - 1) // bm).sum()) for c in counts)
+        P = N * K
+        cfg, facts = today_facts(spec, N)
+        progs = {}
+        if cfg.get("decode"):
+            progs["decode_gemm1"] = P * -(-I // cfg["d1"]["BLOCK_N"])
+            progs["decode_gemm2"] = N * -(-H // cfg["d2"]["BLOCK_N"])
+        else:
+            nb = blocks(cfg["BLOCK_M"])
+            progs["gemm1"] = nb * -(-I // cfg["g1"]["BLOCK_N"])
+            progs["gemm2"] = nb * -(-H // cfg["g2"]["BLOCK_N"])
+
+        def line(label, progs, facts):
+            parts = []
+            for st, n in progs.items():
+                f = facts.get(st) or {}
+                c = f.get("ctas_per_sm") or 1
+                parts.append(f"{st} {n:.0f} programs / {sms} x {c} = {n / (sms * c):.2f} waves"
+                             f" ({f.get('mma')}, {f.get('warps_per_sm')} warps/SM, "
+                             f"{(f.get('weight_bytes_in_flight') or 0) // 1024} KB in flight/SM, "
+                             f"{f.get('sass_per_weight')} SASS/w)")
+            lines.append(f"N={N} {label}: " + "; ".join(parts))
+        line(f"today [{describe(cfg)}]", progs, facts)
+        for vn, (ln, over) in variants.items():
+            lo = W.W4A16Layout(*layouts[ln])
+            ni = -(-I // lo.inter_cols)
+            nh = -(-H // lo.down_rows)
+            vcfg = {**_cpu_default_config(lo, E, N, K), **over}
+            if over.get("pairs") and P > W.FUSED_MAX_PAIRS:
+                continue
+            if vcfg["fused"]:
+                progs = {"fused": P * ni}
+            elif vcfg.get("pairs"):
+                progs = {"gemm1": P * ni, "gemm2": P * nh}
+            else:
+                nb = blocks(vcfg["BLOCK_T"])
+                progs = {"gemm1": nb * ni, "gemm2": nb * nh}
+            line(vn, progs, var_facts[vn])
+    return lines
+
+
+def describe(cfg):
+    from moe_runtime_triton import ops
+
+    return ops.describe_config(cfg)
+
+
+def _cpu_default_config(lo, E, n_tokens, topk):
+    from moe_runtime_triton import w4a16 as W
+
+    pairs = max(1, n_tokens * topk)
+    rows = pairs / min(E, pairs)
+    return {"fused": pairs <= W.FUSED_MAX_PAIRS and n_tokens <= W.FUSED_MAX_TOKENS,
+            "BLOCK_T": 16 if rows <= 16 else 32 if rows <= 48 else 64}
 
 
 class Timer:
@@ -319,6 +427,8 @@ def run_shape(name, spec, tokens, layouts, variants, args, timer, device, dtype)
         for vn, (ln, over) in variants.items():
             if over.get("fused") and N > W.FUSED_MAX_TOKENS:
                 continue  # the one-launch path's workspace holds FUSED_MAX_TOKENS rows
+            if over.get("pairs") and N * K > W.FUSED_MAX_PAIRS:
+                continue  # a block per pair: for a few pairs only
             ww = wws[ln]
             cfg = {**W.default_config(ww, N, K), **over}
             cands[f"w4a16 {vn}"] = (
@@ -449,12 +559,15 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=225.0,
                     help="seconds; candidates not started by then are skipped (listed as such)")
     ap.add_argument("--sass", action="store_true",
-                    help="only compile the W4A16 kernels for sm_90 (no GPU needed) and print "
-                         "their SASS instructions per weight for the selected shapes and layouts")
+                    help="no GPU needed: compile the W4A16 variants' kernels and today's for sm_90 "
+                         "and print what bounds them (sass_inspect.analyse: MMA, shared-memory "
+                         "round trips, pipeline, registers, CTAs per SM, SASS per weight) and "
+                         "each row's programs against the SMs (routing simulated)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     args.deadline = time.monotonic() + args.budget
     if args.sass:
+        tokens = args.tokens or [1, 16, 128]
         for name in args.shapes or SHAPES:
             if name not in SHAPES:
                 ap.error(f"unknown shape {name!r}; accepted: {sorted(SHAPES)}")
@@ -464,6 +577,8 @@ def main(argv=None):
                     ops_ = fa.pop("loop_ops")
                     print(f"{name} {vn} {kn}: " + ", ".join(f"{k}={v}" for k, v in fa.items()))
                     print(f"    loop: {ops_}")
+            for ln in grid_report(SHAPES[name], tokens, sel):
+                print(f"{name} {ln}")
         return 0
     if args.out is None:
         ap.error("--out is required (results.json and results.md are written there)")

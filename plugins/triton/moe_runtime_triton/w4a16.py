@@ -278,26 +278,41 @@ def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
     return acc_g, acc_u
 
 
-@triton.jit(do_not_specialize=["P", "num_m_blocks", "topk"])
+@triton.jit
+def _block_rows(sorted_ptr, bexp_ptr, pid_m, P, E, BT: tl.constexpr, PAIRS: tl.constexpr):
+    """``(expert, rows, pairs)`` of row block ``pid_m``: from the routing (``sorted_ptr``,
+    ``bexp_ptr``), or with ``PAIRS`` one block per (token, expert) pair, its pair on row 0 and
+    ``bexp_ptr`` the router's ``topk_ids`` (no routing launch; expert -1 for ids outside
+    ``[0, E)``)."""
+    offs_t = pid_m * BT + tl.arange(0, BT)
+    if PAIRS:
+        e = tl.load(bexp_ptr + pid_m).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+        pair = tl.where(tl.arange(0, BT) == 0, pid_m, P)
+    else:
+        e = tl.load(bexp_ptr + pid_m)
+        pair = tl.load(sorted_ptr + offs_t)
+    return e, offs_t, pair
+
+
+@triton.jit(do_not_specialize=["P", "E", "num_m_blocks", "topk"])
 def w4a16_gemm1_kernel(
     x_ptr, w_ptr, s2_ptr, inter_ptr, sorted_ptr, bexp_ptr,
-    P, H, num_m_blocks, topk, stride_xm, stride_im,
+    P, E, H, num_m_blocks, topk, stride_xm, stride_im,
     NI: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     BT: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-    IL: tl.constexpr = False, MMA_SYNC: tl.constexpr = False,
+    IL: tl.constexpr = False, MMA_SYNC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     """``inter[row, n] = act(x[tok] . gate[e, n]) * (x[tok] . up[e, n])`` for the sorted rows of
     block ``pid % num_m_blocks`` and the ``ROWS`` columns of tile ``pid // num_m_blocks``, as
     ``W [ROWS, COLS] @ X^T [COLS, BT]`` (``IL``: one interleaved gate/up tile, ``ROWS / 2``
-    columns)."""
+    columns; ``PAIRS``: :func:`_block_rows`)."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    e = tl.load(bexp_ptr + pid_m)
+    e, offs_t, pair = _block_rows(sorted_ptr, bexp_ptr, pid_m, P, E, BT, PAIRS)
     if e < 0:
         return
-    offs_t = pid_m * BT + tl.arange(0, BT)
-    pair = tl.load(sorted_ptr + offs_t)
     valid = pair < P
     tok = tl.where(valid, pair // topk, 0).to(tl.int64)
     offs_k = tl.arange(0, COLS)
@@ -314,23 +329,23 @@ def w4a16_gemm1_kernel(
              h.to(inter_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["P", "num_m_blocks"])
+@triton.jit(do_not_specialize=["P", "E", "num_m_blocks"])
 def w4a16_gemm2_kernel(
     inter_ptr, w_ptr, s2_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
-    P, H, num_m_blocks, stride_im, stride_ym,
+    P, E, H, num_m_blocks, stride_im, stride_ym,
     NH: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     BT: tl.constexpr, USE_ASM: tl.constexpr, KU: tl.constexpr = 1, MMA_SYNC: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,
 ):
     """``y[pair, n] = rw[pair] * (inter[row] . down[e, n])`` as ``W [ROWS, COLS] @ inter^T``;
-    ``KU`` K tiles per loop iteration (``NK % KU == 0``: the loop's overhead over more weights)."""
+    ``KU`` K tiles per loop iteration (``NK % KU == 0``: the loop's overhead over more weights);
+    ``PAIRS``: :func:`_block_rows`."""
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    e = tl.load(bexp_ptr + pid_m)
+    e, offs_t, pair = _block_rows(sorted_ptr, bexp_ptr, pid_m, P, E, BT, PAIRS)
     if e < 0:
         return
-    offs_t = pid_m * BT + tl.arange(0, BT)
-    pair = tl.load(sorted_ptr + offs_t)
     valid = pair < P
     offs_k = tl.arange(0, COLS)
     ht_ptrs = inter_ptr + offs_t.to(tl.int64)[None, :] * stride_im + offs_k[:, None]
@@ -410,7 +425,9 @@ def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
     per expert block (the MMA's N: 16, 32 or 64 from the mean rows per touched expert);
     ``num_warps`` / ``num_stages`` of the GEMMs; ``mma_sync``: the GEMMs' dots as ``mma.sync``
     rather than Hopper's wgmma (:func:`_mma`); ``x_f16`` (not set here): the activations
-    converted to float16 by one launch before the GEMMs (:func:`fused_moe_w4a16`)."""
+    converted to float16 by one launch before the GEMMs (:func:`fused_moe_w4a16`); ``pairs``
+    (not set here): the grouped path with one 16-row block per (token, expert) pair and no
+    routing launch (GEMM 1, GEMM 2, finalize: for a few pairs)."""
     pairs = max(1, n_tokens * topk)
     fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
     rows = pairs / min(ww.num_experts, pairs)
@@ -559,27 +576,38 @@ def fused_moe_w4a16(
     bt = cfg.get("BLOCK_T", BLOCK_T)
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"BLOCK_T must be a power of two >= 16 (the MMA's N), got {bt}")
-    R = ops.max_sorted_rows(P, E, bt)
-    sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
-    bexp = torch.empty(R // bt, dtype=torch.int32, device=hidden.device)
-    go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
-    nmb = R // bt
+    pairs = bool(cfg.get("pairs"))
+    if pairs:
+        # one block per pair, its expert read from topk_ids: no routing launch (a few pairs)
+        bt = 16
+        nmb, R = P, P * bt
+        bexp = topk_ids.reshape(-1)
+        if bexp.dtype != torch.int32:
+            bexp = bexp.to(torch.int32)
+        sorted_ids = bexp  # not read
+    else:
+        R = ops.max_sorted_rows(P, E, bt)
+        sorted_ids = torch.empty(R, dtype=torch.int32, device=hidden.device)
+        bexp = torch.empty(R // bt, dtype=torch.int32, device=hidden.device)
+        go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
+        nmb = R // bt
     inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
     y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
     with _mma(cfg) as sync:
         go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
             hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
-            P, H, nmb, topk, hidden.stride(0), inter.stride(0),
+            P, E, H, nmb, topk, hidden.stride(0), inter.stride(0),
             NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
             EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
-            IL=lo.interleave, MMA_SYNC=sync,
+            IL=lo.interleave, MMA_SYNC=sync, PAIRS=pairs,
             **_opts(cfg)))
         go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
             inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
-            P, H, nmb, inter.stride(0), y.stride(0),
+            P, E, H, nmb, inter.stride(0), y.stride(0),
             NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols, BT=bt,
             USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
-            KU=down_unroll(Ip // lo.down_cols, lo.down_cols), MMA_SYNC=sync, **_opts(cfg)))
+            KU=down_unroll(Ip // lo.down_cols, lo.down_cols), MMA_SYNC=sync, PAIRS=pairs,
+            **_opts(cfg)))
     bh = min(1024, max(16, triton.next_power_of_2(H)))
     go("finalize", lambda: K.moe_finalize_kernel[(N, triton.cdiv(H, bh))](
         y, topk_ids, out, H, E, y.stride(0), out.stride(0), TOPK=topk, BLOCK_H=bh, num_warps=4))
