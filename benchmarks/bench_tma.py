@@ -208,7 +208,7 @@ def _warm_one(task):
         return f"{fmt} {path} {cfg}: {type(exc).__name__}: {str(exc)[:300]}"
 
 
-def warm_compile(shapes, tokens, formats, max_configs, workers):
+def warm_compile(shapes, tokens, formats, max_configs, workers, rows=None):
     """Compile every kernel variant the run uses once, in parallel processes (Triton caches them
     on disk; the timing process then loads them)."""
     import multiprocessing as mp
@@ -219,6 +219,8 @@ def warm_compile(shapes, tokens, formats, max_configs, workers):
         for fmt in formats:
             pw = _fake_prepared(ops, fmt, spec)
             for N in tokens:
+                if rows and f"{sname}:{N}:{fmt}" not in rows:
+                    continue
                 cfgs = [("today", ops.get_config(fmt, spec["E"], spec["H"], spec["I"], spec["K"],
                                                  N))]
                 cfgs += [("tma", c) for c in
@@ -261,8 +263,16 @@ def run_rows(args) -> int:
     shapes = {k: B.SMOKE_SHAPES[k] for k in ("tiny",)} if args.smoke else \
         {k: B.SHAPES[k] for k in args.shapes}
     tokens = args.tokens
+    if args.rows:
+        bad = [r for r in args.rows if r.count(":") != 2 or r.split(":")[0] not in shapes]
+        if bad:
+            B.log(f"--rows {bad}: expected SHAPE:TOKENS:FORMAT with SHAPE one of {sorted(shapes)}")
+            return 2
+        shapes = {k: v for k, v in shapes.items() if any(r.startswith(k + ":") for r in args.rows)}
+        tokens = sorted({int(r.split(":")[1]) for r in args.rows})
     if device == "cuda" and args.warm_workers > 0:
-        warm_compile(shapes, tokens, args.formats, args.max_configs, args.warm_workers)
+        warm_compile(shapes, tokens, args.formats, args.max_configs, args.warm_workers,
+                     args.rows)
     ceil = B.measure_ceilings(timer, device) if device == "cuda" and not args.no_ceilings else {}
     B.log(f"ceilings: {json.dumps({k: v for k, v in ceil.items() if k != 'read_detail'})}")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
@@ -286,10 +296,15 @@ def run_rows(args) -> int:
         a13, a2 = 5.0 / 448, a2_amax / 448
         B.log(f"== {sname}: E={E} H={H} I={I} topk={topk}; weights in {time.time() - t0:.1f}s")
         for fmt in args.formats:
+            if args.rows and not any(r.startswith(f"{sname}:") and r.endswith(f":{fmt}")
+                                     for r in args.rows):
+                continue
             w = lw.bf16 if fmt == "bf16" else lw.fp8(a13, a2)
             pw = ops.prepare_weights(w)
             tw = {True: tma.prepare_tma(pw, fused_gu=True), False: tma.prepare_tma(pw, False)}
             for N in tokens:
+                if args.rows and f"{sname}:{N}:{fmt}" not in args.rows:
+                    continue
                 if time.time() - t_start > args.time_budget:
                     B.log(f"   time budget spent: skipping {sname} N={N} {fmt}")
                     rows.append({"shape": sname, "tokens": N, "format": fmt,
@@ -474,6 +489,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--time-budget", type=float, default=330.0,
                     help="seconds; rows past it are skipped (weights and compiles included)")
+    ap.add_argument("--rows", nargs="*",
+                    help="only these SHAPE:TOKENS:FORMAT rows (e.g. deepseek-v3:4096:bf16)")
     ap.add_argument("--max-configs", type=int, default=0, help="at most this many TMA configs a row")
     ap.add_argument("--warm-workers", type=int, default=8,
                     help="processes compiling the kernels first (0: compile as they run)")

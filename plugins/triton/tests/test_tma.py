@@ -251,3 +251,11 @@ def test_kernels_compile_for_sm90_with_wgmma_and_tma():
                         "--out", ""], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "4 kernels compiled for sm_90, 0 without" in r.stdout
+
+
+def test_bench_rejects_malformed_rows(capsys):
+    spec = importlib.util.spec_from_file_location("bench_tma", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--rows", "deepseek-v3:4096", "--out", ""]) == 2
+    assert "SHAPE:TOKENS:FORMAT" in capsys.readouterr().out
