@@ -340,9 +340,14 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
         sets.append((x, ids.to(torch.int32).contiguous(), wts.contiguous()))
     valid_pairs = int((sets[0][1] >= 0).sum())
     flops = valid_pairs * 6 * H * I
+    ids_flat = sets[0][1].reshape(-1)
+    counts = torch.bincount(ids_flat[ids_flat >= 0].long(), minlength=E)
     rate = ceil.get("fp8_TFLOPs" if fmt == "fp8_w8a8" else "bf16_TFLOPs")
     row = {"shape": sname, "tokens": N, "format": fmt, "valid_pairs": valid_pairs,
+           "experts_touched": int((counts > 0).sum()),
            "roofline_flops_us": round(flops / (rate * 1e12) * 1e6, 1) if rate else None}
+    # rows computed per block height: each expert's last block is padded (computed all the same)
+    row["padded_rows"] = {bm: int(((counts + bm - 1) // bm).sum()) * bm for bm in (64, 128)}
     cfg_today = ops.get_config(fmt, E, H, I, topk, N)
     row["today_config"] = ops.describe_config(cfg_today)
     x0, ids0, wts0 = sets[0]
@@ -380,11 +385,14 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
         if not args.no_stages:
             row["stages_us"] = _stage_times(timer, tma, x0, ids0, wts0,
                                             tw[bool(cands[bi].get("fused_gu", True))], cands[bi],
-                                            spec, valid_pairs, rate, row)
+                                            spec, valid_pairs, rate, row,
+                                            row["padded_rows"][cands[bi]["BLOCK_M"]])
     return row
 
 
-def _stage_times(timer, tma, x, ids, wts, tw, cfg, spec, valid_pairs, rate, row):
+def _stage_times(timer, tma, x, ids, wts, tw, cfg, spec, valid_pairs, rate, row, padded_rows):
+    """Each stage of the best config timed alone; the GEMMs' TFLOP/s on the valid rows and, as a
+    share of the matmul rate, on the rows they compute (padding included: the main loop's rate)."""
     stages = []
     tma.fused_moe_tma(x, ids, wts, tw, config=cfg, _stages=stages)
     out = {}
@@ -396,6 +404,8 @@ def _stage_times(timer, tma, x, ids, wts, tw, cfg, spec, valid_pairs, rate, row)
             row[f"{name}_TFLOPs"] = round(tf, 1)
             if rate:
                 row[f"{name}_pct_mm_rate"] = round(100 * tf / rate, 1)
+                row[f"{name}_loop_pct_mm_rate"] = round(100 * tf * padded_rows / valid_pairs
+                                                        / rate, 1)
     return out
 
 
@@ -435,22 +445,32 @@ def markdown(meta, rows) -> str:
     lines = [f"TMA path vs today's Triton path: {meta['device']}, torch {meta['torch']}, Triton "
              f"{meta['triton']}, {meta['started']}; us, medians of CUDA events. Peer: the best peer "
              "of the 2026-12-04 01:25 run (not re-measured here).", "",
+             "GEMMn % mm: the GEMM's valid-row TFLOP/s as a share of the measured matmul rate; "
+             "loop: the same on every row it computes (each expert's last block padded to "
+             "BLOCK_M), the main loop's rate.", "",
              "| shape | tokens | format | today (us) | TMA best (us) | TMA / today | vs peer "
-             "(old run) | TMA % flops roof | GEMM1 % mm | GEMM2 % mm | best config | stages (us) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(old run) | TMA % flops roof | GEMM1 % mm (loop) | GEMM2 % mm (loop) | padding "
+             "M64 / M128 | best config | stages (us) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r or "error" in r:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['format']} | "
-                         f"{r.get('skipped') or r.get('error')} | | | | | | | | |")
+                         f"{r.get('skipped') or r.get('error')} | | | | | | | | | |")
             continue
         peer = PEER_US_20261204.get((r["shape"], r["tokens"], r["format"]))
         best = r.get("tma_best_us")
         vs_peer = f"{peer / best:.2f}x" if peer and best else "-"
         st = " ".join(f"{k} {v}" for k, v in r.get("stages_us", {}).items())
+        pr = r.get("padded_rows", {})
+        pad = " / ".join(f"{100 * (1 - r['valid_pairs'] / pr[bm]):.0f}%" if pr.get(bm) else "-"
+                         for bm in (64, 128))
+
+        def pct(g):
+            return f"{r.get(g + '_pct_mm_rate', '-')} ({r.get(g + '_loop_pct_mm_rate', '-')})"
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['format']} | {r['today_us']} | {best or '-'} | "
             f"{r.get('speedup_vs_today', '-')} | {vs_peer} | {r.get('tma_pct_flops_roof', '-')} | "
-            f"{r.get('gemm1_pct_mm_rate', '-')} | {r.get('gemm2_pct_mm_rate', '-')} | "
+            f"{pct('gemm1')} | {pct('gemm2')} | {pad} | "
             f"{r.get('tma_best_config', '-')} | {st} |")
     return "\n".join(lines)
 

@@ -26,6 +26,12 @@ make one wave of the programs) so the weight tiles of one expert and the activat
 row block are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so
 the next tile's loads are issued during the epilogue.
 
+Not wired into :func:`ops.fused_moe_prepared` yet (``benchmarks/bench_tma.py`` measures it against
+that path first). The intended wiring: a tuned-table entry's ``"tma": {config}`` selects it for a
+token-count bucket, next to the torch grouped GEMM branch; ``PreparedWeights`` holds the
+:class:`TmaWeights` (with ``fused_gu`` the interleaved ``w13`` would replace the plain one, and the
+sorted/decode GEMM 1 kernels read gate row ``j`` at ``2j`` and up at ``2j + 1``).
+
 Tensor descriptors are host-side (``triton.tools.tensor_descriptor.TensorDescriptor``, Triton 3.4
 and later; the interpreter runs them too). TMA needs 16-byte aligned rows: ``H`` and ``I`` times
 the element size must be multiples of 16 (:func:`tma_unavailable` says why a layer cannot run).
