@@ -155,25 +155,33 @@ class _Server:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None) -> int:
+    def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None,
+                min_tokens: int | None = 0) -> int:
+        """Tokens the completion may have: ``requested``, else the default (at least
+        ``min_tokens``), within the context."""
         ctx = self.engine.context_length
         n = len(prompt_ids)
         if n >= ctx:
             raise invalid(f"this model's maximum context length is {ctx} tokens, and the prompt "
                           f"has {n}", "prompt", "context_length_exceeded")
         room = ctx - n
+        min_tokens = min_tokens or 0
+        if min_tokens > room:
+            raise invalid(f"this model's maximum context length is {ctx} tokens; min_tokens asks "
+                          f"for {n + min_tokens} ({n} in the prompt, {min_tokens} for the "
+                          "completion)", "min_tokens", "context_length_exceeded")
         if requested is None:
             default = self.defaults.get("max_tokens", default)
-            return room if default is None else min(default, room)
+            return room if default is None else min(max(default, min_tokens), room)
         if requested > room:
             raise invalid(f"this model's maximum context length is {ctx} tokens; you requested "
                           f"{n + requested} ({n} in the prompt, {requested} for the completion)",
                           "max_tokens", "context_length_exceeded")
         return requested
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def _prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.engine.encode_prompt(prompt)
+            ids = self.engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
         else:
             vocab = self.engine.loaded.model.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -204,7 +212,15 @@ class _Server:
             frequency_penalty=req.frequency_penalty or 0.0,
             min_p=pick("min_p", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
+            min_tokens=req.min_tokens or 0,
         )
+
+    def _check_stop_token_ids(self, req) -> None:
+        vocab = self.engine.loaded.model.config.vocab_size
+        bad = [t for t in req.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise invalid(f"stop_token_ids must lie in [0, {vocab}) (the vocabulary); got "
+                          f"{bad[:3]}", "stop_token_ids")
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
@@ -219,16 +235,17 @@ class _Server:
                           "alone", "echo", "unsupported_echo_logprobs")
         jobs = []
         for p, prompt in enumerate(req.prompts()):
-            ids = self._prompt_ids(prompt)
-            max_tokens = self._budget(ids, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
+            ids = self._prompt_ids(prompt, req.add_special_tokens is not False)
+            max_tokens = self._budget(ids, req.requested_max_tokens, DEFAULT_COMPLETION_TOKENS,
+                                      req.min_tokens)
             echo, echo_logprobs = "", ()
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
                     ids, skip_special_tokens=False)
             if scored:
                 echo_logprobs = await self._prompt_logprobs(ids, req.logprobs)
-            jobs += [_Job(p * req.n + j, ids, max_tokens, self._sampling(req, j), echo,
-                          echo_logprobs) for j in range(req.n)]
+            jobs += [_Job(p * req.choices + j, ids, max_tokens, self._sampling(req, j), echo,
+                          echo_logprobs) for j in range(req.choices)]
         return await self._respond(request, "/v1/completions", req, jobs, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -237,27 +254,34 @@ class _Server:
         self._check_model(req.model)
         engine = self._ready_engine()
         try:
-            prompt_ids = engine.encode_chat(req.chat_messages(), req.chat_template_kwargs)
+            prompt_ids = engine.encode_chat(req.chat_messages(), req.template_kwargs())
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
-        max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None)
-        jobs = [_Job(j, prompt_ids, max_tokens, self._sampling(req, j)) for j in range(req.n)]
+        max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None, req.min_tokens)
+        jobs = [_Job(j, prompt_ids, max_tokens, self._sampling(req, j))
+                for j in range(req.choices)]
         return await self._respond(request, "/v1/chat/completions", req, jobs, chat=True)
 
     async def _respond(self, request: Request, route: str, req, jobs: list[_Job], *,
                        chat: bool) -> Response:
+        self._check_stop_token_ids(req)
         if not self.engine.healthy:
             raise APIError(503, "the generation engine is not running", type="server_error",
                            code="engine_unavailable")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if chat else "cmpl"
+        engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique, whatever the client sends
+        rid = f"{prefix}-{req.request_id}" if req.request_id else engine_id
         created = int(time.time())
         prompt_tokens = _prompt_tokens(jobs)
         request.state.moe_request = {"id": rid, "prompt_tokens": prompt_tokens}
-        stop = req.stop_sequences
+        stops = dict(stop=req.stop_sequences, stop_token_ids=tuple(req.stop_token_ids or ()),
+                     ignore_eos=bool(req.ignore_eos),
+                     include_stop_str=bool(req.include_stop_str_in_output),
+                     skip_special_tokens=req.skip_special_tokens is not False)
         streams = [self.engine.generate(job.prompt_ids, max_tokens=job.max_tokens,
-                                        sampling=job.sampling, stop=stop,
-                                        request_id=rid if len(jobs) == 1 else
-                                        f"{rid}-{job.index}")
+                                        sampling=job.sampling,
+                                        request_id=engine_id if len(jobs) == 1 else
+                                        f"{engine_id}-{job.index}", **stops)
                    for job in jobs]
         if req.stream:
             events = self._events(request, route, req, jobs, streams, rid, created, chat=chat)
@@ -364,6 +388,9 @@ class _Server:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                     "choices": choices, "system_fingerprint": None}
             if req.include_usage:
+                # vLLM's continuous_usage_stats: every chunk has the usage so far
+                if usage is None and req.continuous_usage:
+                    usage = _usage(_prompt_tokens(jobs), list(lasts.values()))
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 

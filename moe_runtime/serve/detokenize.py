@@ -12,12 +12,16 @@ class IncrementalDetokenizer:
     ending in an incomplete UTF-8 sequence (a byte-level token boundary inside one character) is
     held back until the next token completes it. Text that could be the start of a stop string is
     held back too, so a stream never shows part of a stop string; when one appears, the text before
-    it is final and :attr:`stopped` is set.
+    it is final and :attr:`stopped` is set (``include_stop``: the stop string stays in the text).
+    ``skip_special_tokens`` (default, as vLLM's) leaves special tokens' text out.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window (context for merge-sensitive decoding)
         self._read = 0  # tokens whose text is in self._text
@@ -27,10 +31,15 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special,
+                                clean_up_tokenization_spaces=False)
 
-    def step(self, all_ids: list[int]) -> str:
-        """Take the full list of generated ids so far; return the new text that is safe to show."""
+    def step(self, all_ids: list[int], check_stops: bool = True) -> str:
+        """Take the full list of generated ids so far; return the new text that is safe to show.
+
+        With ``check_stops`` false (before a request's min_tokens) the new text is not searched
+        for stop strings, and never will be, but for a stop string that begins in it and ends
+        in text still to come."""
         if self.stopped:
             return ""
         self._ids = list(all_ids)
@@ -39,9 +48,13 @@ class IncrementalDetokenizer:
         if len(window_text) > len(prefix_text) and not window_text.endswith(REPLACEMENT):
             self._text += window_text[len(prefix_text):]
             self._prefix, self._read = self._read, len(self._ids)
+        if not check_stops:
+            self._searched = len(self._text)
+            # hold back nothing but what could begin a stop string (no search: no hit)
+            return self._release(final=False, search=False)
         return self._release(final=False)
 
-    def finish(self) -> str:
+    def finish(self, check_stops: bool = True) -> str:
         """All remaining text (the generation ended); incomplete characters are shown as U+FFFD."""
         if self.stopped:
             return ""
@@ -49,21 +62,23 @@ class IncrementalDetokenizer:
         window_text = self._decode(self._ids[self._prefix:])
         self._text += window_text[len(prefix_text):]
         self._prefix = self._read = len(self._ids)
-        return self._release(final=True)
+        return self._release(final=True, search=check_stops)
 
     @property
     def text(self) -> str:
         """Everything returned so far."""
         return self._text[: self._emitted]
 
-    def _release(self, final: bool) -> str:
+    def _release(self, final: bool, search: bool = True) -> str:
         text = self._text
-        if self._stop:
+        if self._stop and search:
             longest = max(len(s) for s in self._stop)
             start = max(0, self._searched - longest + 1)
             hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 cut = min(hits)
+                if self._include_stop:
+                    cut += len(next(s for s in self._stop if text.startswith(s, cut)))
                 self.stopped = True
                 self._text = text[:cut]
                 out = self._text[self._emitted:]

@@ -39,9 +39,11 @@ from moe_runtime.serve.batching import (
     plan_token_bound,
 )
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
+from moe_runtime.serve.graph_shapes import bucket_kv_reads, prefer_replanning_free_attention
 from moe_runtime.serve.loading import LoadedModel
 from moe_runtime.serve.sampling import (
     GREEDY,
+    MAX_STOP_TOKEN_IDS,
     SLOT_KWARG,
     BatchSampler,
     SamplingParams,
@@ -164,7 +166,14 @@ class Engine:
                                     bound_from if bound else "max_batch_size", cuda_graphs)
         self.batching = attrs.evolve(batching_choice, graphs=graphs)
         self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
-                                    max_batch=self.batch_cap, device=device, static=graphs.on)
+                                    max_batch=self.batch_cap,
+                                    max_bans=len(self.eos_token_ids) + MAX_STOP_TOKEN_IDS,
+                                    device=device, static=graphs.on)
+        # requests waiting for a sampler row (every one may be taken): woken as rows come back
+        self._room_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._room_lock = threading.Lock()
+        self.waiting_for_rows = 0
+        self.sampler.on_room = self._wake_room
         self.debug = debug
         self._manager = None
         self._ready = False
@@ -185,6 +194,9 @@ class Engine:
     def start(self, probe: bool = True) -> None:
         """Start the batching thread, then (``probe``) generate one token: ready when it returns."""
         if self._manager is None:
+            note = prefer_replanning_free_attention(next(self.loaded.model.parameters()).device)
+            if note:
+                log.info(note)
             self._manager = (self._continuous_manager() if self.batching.path == CONTINUOUS
                              else self._cache_batcher())
         if probe:
@@ -242,6 +254,7 @@ class Engine:
             # exists; made here, its runner replays graphs for decode batches only
             manager.batch_processor = manager._create_batch_processor()
             _graphs_for_decode_only(manager.batch_processor)
+            bucket_kv_reads(manager.batch_processor)  # not the whole cache each step
             start = time.perf_counter()
             manager.warmup()  # captures the decode sizes of flash attention's decode path
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
@@ -336,8 +349,8 @@ class Engine:
 
     # ------------------------------------------------------------------------------ prompts
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def encode_chat(self, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` through the chat template; ``template_kwargs`` are the
@@ -358,11 +371,23 @@ class Engine:
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),
-                       request_id: str | None = None,
+                       request_id: str | None = None, stop_token_ids: Sequence[int] = (),
+                       ignore_eos: bool = False, include_stop_str: bool = False,
+                       skip_special_tokens: bool = True,
                        _probe: bool = False) -> AsyncIterator[Delta]:
         """Stream one request's deltas; the last one has a ``finish_reason``.
 
-        Closing the iterator early (the client went away) cancels the request in the batch.
+        The request ends at the model's EOS tokens (unless ``ignore_eos``), at any of
+        ``stop_token_ids``, at a ``stop`` string (cut before it, or after it with
+        ``include_stop_str``) or after ``max_tokens``. ``sampling.min_tokens`` holds off the
+        stop tokens (they are never drawn before it) and the stop strings (searched only in
+        the text of later tokens), as vLLM does. The stop tokens are checked where each batching
+        path checks its EOS: on the device in the dynamic batcher's step, per token in
+        transformers' continuous batching (CUDA-graph decode included).
+
+        A request that needs a sampler row waits (in this coroutine, before it is submitted)
+        while every row may be taken, so no burst can exhaust them. Closing the iterator early
+        (the client went away) cancels the request in the batch.
         """
         manager = self._manager
         if manager is None or not (self._running if _probe else self.healthy):
@@ -372,22 +397,30 @@ class Engine:
         outputs: asyncio.Queue = asyncio.Queue()
         if sampling.seed is None and self._seeds is not None and not _probe:
             sampling = attrs.evolve(sampling, seed=self._seeds.getrandbits(63))
-        slot = self.sampler.open(sampling, prompt_ids)
-        kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
-        self._slots[request_id] = slot
-        detok = IncrementalDetokenizer(self.tokenizer, tuple(stop))
-        submitted = last_at = time.perf_counter()
-        first_token_s = None
-        finished = False
-        seen = 0
+        stops = tuple(dict.fromkeys([*(() if ignore_eos else self.eos_token_ids),
+                                     *stop_token_ids]))
+        if sampling.min_tokens:
+            sampling = attrs.evolve(sampling, stop_token_ids=stops)
         track = not _probe
         if track:
             self._held[request_id] = len(prompt_ids)
-        manager.register_result_handler(request_id, outputs.put_nowait)
+        slot = None
+        finished = False
+        submitted = False
+        started = last_at = time.perf_counter()  # time to first token counts a wait for a row
         try:
+            slot = await self._open_slot(sampling, prompt_ids)
+            kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
+            self._slots[request_id] = slot
+            detok = IncrementalDetokenizer(self.tokenizer, tuple(stop), include_stop=include_stop_str,
+                                           skip_special_tokens=skip_special_tokens)
+            first_token_s = None
+            seen = 0
+            manager.register_result_handler(request_id, outputs.put_nowait)
+            submitted = True
             added = manager.add_request(list(prompt_ids), request_id=request_id,
                                         max_new_tokens=max_tokens, streaming=True,
-                                        eos_token_id=self.eos_token_ids or -1, **kwargs)
+                                        eos_token_id=list(stops) or -1, **kwargs)
             if added is None:
                 raise EngineUnavailable("the generation engine is stopping")
             while True:
@@ -397,7 +430,7 @@ class Engine:
                 tokens = tuple(out.generated_tokens)
                 now = time.perf_counter()
                 if first_token_s is None and tokens:
-                    first_token_s = now - submitted
+                    first_token_s = now - started
                 if track and len(tokens) > seen:
                     if seen and self.on_tokens is not None:
                         self.on_tokens(now - last_at, len(tokens) - seen)
@@ -406,15 +439,16 @@ class Engine:
                     self._held[request_id] = len(prompt_ids) + len(tokens)
                 logprobs = (tuple(self.sampler.records(slot)[:len(tokens)])
                             if sampling.logprobs is not None else ())
-                text = detok.step(list(tokens))
+                searched = len(tokens) > sampling.min_tokens  # stop strings: after min_tokens
+                text = detok.step(list(tokens), check_stops=searched)
                 if detok.stopped:
                     finished = out.is_finished()
                     yield Delta(text, tokens, "stop", first_token_s, logprobs)
                     return
                 if out.is_finished():
                     finished = True
-                    text += detok.finish()
-                    reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+                    text += detok.finish(check_stops=searched)
+                    reason = "stop" if tokens and tokens[-1] in stops else "length"
                     yield Delta(text, tokens, reason, first_token_s, logprobs)
                     return
                 if text:
@@ -423,10 +457,40 @@ class Engine:
             self._held.pop(request_id, None)
             self._started.discard(request_id)
             self._slots.pop(request_id, None)
-            self.sampler.close(slot)
-            if not finished:
+            if slot is not None:
+                self.sampler.close(slot)
+            if submitted and not finished:
                 manager.cancel_request(request_id)
                 self._forget(request_id)
+
+    async def _open_slot(self, sampling: SamplingParams, prompt_ids: Sequence[int]) -> int:
+        """The request's sampler key, waiting while ``max_slots`` requests may hold rows."""
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter = (loop, loop.create_future())
+            with self._room_lock:  # registered before trying: a release in between wakes it
+                self._room_waiters.append(waiter)
+            try:
+                slot = self.sampler.open(sampling, prompt_ids)
+                if slot is not None:
+                    return slot
+                self.waiting_for_rows += 1
+                try:
+                    await waiter[1]
+                finally:
+                    self.waiting_for_rows -= 1
+            finally:
+                with self._room_lock:
+                    with contextlib.suppress(ValueError):
+                        self._room_waiters.remove(waiter)
+
+    def _wake_room(self) -> None:
+        """A sampler slot gave its room back (on any thread): every waiter tries again."""
+        with self._room_lock:
+            waiters, self._room_waiters = self._room_waiters, []
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, future)
 
     def _forget(self, request_id: str) -> None:
         # The manager drops a result handler only when its request finishes; a cancelled request
@@ -485,6 +549,11 @@ class Engine:
 
 
 DECODE_PADDING = 8  # query tokens a graphed decode batch is padded to a multiple of
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _graphs_for_decode_only(processor) -> None:

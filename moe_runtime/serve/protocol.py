@@ -1,16 +1,20 @@
 """The OpenAI-compatible request bodies and error responses.
 
-Bodies are validated strictly (a string where a number belongs is an error, not a conversion);
-fields this server does not know are ignored, since clients send many. Errors use OpenAI's shape:
+Bodies are validated strictly (a string where a number belongs is an error, not a conversion).
+Every field is implemented, accepted where it changes nothing here (``user``, ``metadata``...),
+refused unless at its "off" value where this server does not implement it (:data:`UNSUPPORTED`:
+tools, beam search, constrained decoding...), or unknown: a 400 naming it, as OpenAI answers (vLLM
+logs and drops them; a dropped field is a client's intent lost without a word). Errors use OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -18,6 +22,7 @@ from pydantic_core import PydanticCustomError
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16  # choices per request (each is one more sequence in the batch)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_STOP_TOKEN_IDS = 64  # vLLM's stop_token_ids per request (sampling.MAX_STOP_TOKEN_IDS)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound; vLLM's default too)
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
@@ -90,7 +95,83 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: OpenAI's keys and vLLM's ``continuous_usage_stats``; any other is a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's; this server never pads its chunks
+
+
+# Fields of OpenAI's, vLLM's and SGLang's APIs that this server does not implement: accepted
+# only at values that change nothing (null, or the value meaning "off"), else a 400 that names the
+# field, the value, what is accepted, and what to do instead. Every other field a route does not
+# declare is unknown: a 400 too (as OpenAI answers), never silently dropped.
+_OFF = (None,)
+_EMPTY = (None, [], {})
+UNSUPPORTED: dict[str, tuple[tuple, str, str]] = {
+    # field: (values that change nothing, those values in words, why / what to do instead)
+    "logit_bias": (_EMPTY, "null or {}", "this server does not bias logits"),
+    "tools": (_EMPTY, "null or []", "this server has no tool calling"),
+    "functions": (_EMPTY, "null or []", "this server has no tool calling"),
+    "tool_choice": ((None, "none", "auto"), "null, 'none' or 'auto' (no tools)",
+                    "this server has no tool calling"),
+    "function_call": ((None, "none", "auto"), "null, 'none' or 'auto'",
+                      "this server has no tool calling"),
+    "use_beam_search": ((None, False), "false", "beam search is not implemented; sample several "
+                        "choices with n instead"),
+    "length_penalty": ((None, 1, 1.0), "1", "it weighs beam search, which is not implemented"),
+    "early_stopping": ((None, False), "false", "it ends beam search, which is not implemented"),
+    "prompt_logprobs": (_OFF, "null", "/v1/completions with echo and logprobs scores the "
+                        "prompt (on a server started with --batching dynamic)"),
+    "truncate_prompt_tokens": (_OFF, "null", "prompts are never truncated; send one that fits "
+                               "the context"),
+    "allowed_token_ids": (_EMPTY, "null or []", "this server has no constrained decoding"),
+    "bad_words": (_EMPTY, "null or []", "this server has no constrained decoding"),
+    "logits_processors": (_EMPTY, "null or []", "this server runs no custom logits processors"),
+    "custom_logit_processor": (_OFF, "null", "this server runs no custom logits processors"),
+    "guided_json": (_OFF, "null", "this server has no constrained decoding"),
+    "guided_regex": (_OFF, "null", "this server has no constrained decoding"),
+    "guided_choice": (_EMPTY, "null", "this server has no constrained decoding"),
+    "guided_grammar": (_OFF, "null", "this server has no constrained decoding"),
+    "guided_decoding_backend": (_OFF, "null", "this server has no constrained decoding"),
+    "guided_whitespace_pattern": (_OFF, "null", "this server has no constrained decoding"),
+    "structured_outputs": (_OFF, "null", "this server has no constrained decoding"),
+    "regex": (_OFF, "null", "this server has no constrained decoding"),
+    "json_schema": (_OFF, "null", "this server has no constrained decoding"),
+    "ebnf": (_OFF, "null", "this server has no constrained decoding"),
+    "return_tokens_as_token_ids": ((None, False), "false", "send return_token_ids: true for each "
+                                   "choice's token ids"),
+    "spaces_between_special_tokens": ((None, True), "true", "special tokens are decoded as the "
+                                      "tokenizer joins them"),
+    "priority": ((None, 0), "0", "requests are served first come, first served"),
+    "lora_request": (_OFF, "null", "this server loads no LoRA adapters"),
+    "lora_path": (_OFF, "null", "this server loads no LoRA adapters"),
+    "return_hidden_states": ((None, False), "false", "this server returns no hidden states"),
+    "kv_transfer_params": (_OFF, "null", "this server transfers no KV cache"),
+    "vllm_xargs": (_EMPTY, "null", "this server takes no vLLM plugin arguments"),
+    "mm_processor_kwargs": (_EMPTY, "null", "this server serves text only"),
+    "audio": (_OFF, "null", "this server serves text only"),
+    "modalities": ((None, ["text"]), "null or ['text']", "this server serves text only"),
+    "web_search_options": (_OFF, "null", "this server has no web search"),
+    "reasoning_effort": (_OFF, "null", "send the chat template's own variable in "
+                         "chat_template_kwargs instead (Qwen3: {'enable_thinking': false})"),
+    "verbosity": (_OFF, "null", "no model here reads it"),
+    "store": ((None, False), "false", "this server stores no completions"),
+}
+_CHAT_ONLY = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities",
+              "web_search_options", "reasoning_effort", "verbosity", "mm_processor_kwargs"}
+_CHAT_UNSUPPORTED = {
+    "echo": ((None, False), "false", "vLLM's chat echo is not implemented; /v1/completions "
+             "echoes a prompt"),
+    "chat_template": (_OFF, "null", "start the server with --chat-template"),
+    "documents": (_EMPTY, "null", "this server has no retrieval templates"),
+}
+
+
 class _Request(BaseModel):
+    # unknown fields are refused by parse() before validation (with a suggestion)
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
     model: str | None = None  # None: the served model
@@ -100,17 +181,31 @@ class _Request(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # an extension (vLLM's): -1 or 0 turn it off
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    return_token_ids: bool = False  # an extension: each choice also carries its token ids
+    return_token_ids: bool | None = False  # an extension: each choice also carries its token ids
     # extensions (vLLM's and SGLang's names and ranges; transformers' definitions)
     min_p: float | None = None
     repetition_penalty: float | None = None
+    # vLLM's (and SGLang's) stopping and decoding controls
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int | None = Field(default=0, ge=0)
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    # accepted, and change nothing here: who is asking, caching and routing hints
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    cache_salt: str | None = None  # vLLM's: keys its prefix cache, which this server lacks
+    parallel_tool_calls: bool | None = None  # no tools here, so nothing to call in parallel
+    prediction: dict[str, Any] | None = None  # predicted outputs only speed a response up
+    request_id: str | None = Field(default=None, max_length=128)  # vLLM's: the response's id
 
     @field_validator("min_p")
     @classmethod
@@ -134,6 +229,13 @@ class _Request(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise PydanticCustomError("out_of_range", "token ids must be 0 or more")
+        return v
+
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -141,30 +243,90 @@ class _Request(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
+    def choices(self) -> int:
+        return self.n if self.n is not None else 1
+
+    @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's: with include_usage, every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str, str]]] = UNSUPPORTED
 
     def check_supported(self) -> None:
         """Refuse what this server accepts in the schema but does not implement."""
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
+        extra = self.model_extra or {}
+        for name in sorted(extra):
+            accepted, words, why = self.unsupported_fields[name]
+            value = extra[name]
+            if not any(value == a and type(value) is type(a) or value is a for a in accepted):
+                raise invalid(f"{name}={_shown(value)} is not supported: {why}; accepted: "
+                              f"{words}", name, "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
+        if self.min_tokens and self.requested_max_tokens is not None and (
+                self.min_tokens > self.requested_max_tokens):
+            raise invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                          f"({self.requested_max_tokens})", "min_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if _jsonable(value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 class CompletionRequest(_Request):
+    route: ClassVar[str] = "/v1/completions"
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    # not OpenAI's completions field, but chat's newer name for max_tokens; benchmark clients
+    # send it to both routes
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS (and kin) on a text prompt
+    response_format: dict[str, Any] | None = None  # vLLM's on completions: only 'text' here
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        k: v for k, v in UNSUPPORTED.items() if k not in _CHAT_ONLY}
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1, self.n):
-            raise invalid("best_of is not supported (only best_of equal to n)", "best_of")
+        if self.best_of not in (None, 1, self.choices):
+            raise invalid(f"best_of={self.best_of} is not supported: this server returns every "
+                          f"choice it generates; accepted: null, 1 or n ({self.choices})",
+                          "best_of", "unsupported_parameter")
         if self.suffix:
-            raise invalid("suffix is not supported", "suffix")
+            raise invalid(f"suffix={_shown(self.suffix)} is not supported: this server does not "
+                          "fill in the middle; accepted: null or ''", "suffix",
+                          "unsupported_parameter")
+        _check_response_format(self.response_format)
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise invalid(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                          f"({self.max_completion_tokens}) disagree; send one of them",
+                          "max_completion_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or token ids (a list of them: a batch)."""
@@ -183,6 +345,15 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+def _check_response_format(response_format: dict | None) -> None:
+    kind = (response_format or {}).get("type", "text")
+    if kind != "text":
+        raise invalid(f"response_format type {kind!r} is not supported: this server has no "
+                      "constrained decoding, so it cannot promise JSON output; accepted: "
+                      "'text' (ask for JSON in the prompt instead)", "response_format",
+                      "unsupported_response_format")
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
@@ -194,6 +365,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # what clients send back of an earlier answer: null or empty here (no tools, text only)
+    tool_calls: list[Any] | None = Field(default=None, max_length=0)
+    function_call: None = None
+    audio: None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None  # vLLM's and SGLang's; Qwen3's template reads it
 
     def text(self) -> str:
         if self.content is None:
@@ -204,33 +381,44 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    route: ClassVar[str] = "/v1/chat/completions"
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None  # an extension (vLLM's)
     # OpenAI's field is top_logprobs; the completions field of the same meaning is logprobs
     top_logprobs_: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, alias="top_logprobs")
+    # vLLM's chat template controls
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+
+    unsupported_fields: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        **UNSUPPORTED, **_CHAT_UNSUPPORTED}
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise invalid("messages must not be empty", "messages")
-        if self.tools:
-            raise invalid("tools are not supported", "tools")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise invalid(f"response_format type {kind!r} is not supported: this server has no "
-                          "constrained decoding, so it cannot promise JSON output; accepted: "
-                          "'text' (ask for JSON in the messages instead)", "response_format",
-                          "unsupported_response_format")
+        _check_response_format(self.response_format)
         if self.top_logprobs_ is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
         for key in sorted(self.chat_template_kwargs or {}):
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise invalid(f"chat_template_kwargs may not set {key!r}: it is an argument of "
                               "the template call itself", "chat_template_kwargs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid("continue_final_message=true continues the last message, so it needs "
+                          "add_generation_prompt=false", "continue_final_message")
+        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
+            raise invalid("continue_final_message=true continues the last message, which must "
+                          f"be the assistant's; it is the {self.messages[-1].role}'s",
+                          "continue_final_message")
+        if self.add_special_tokens:
+            raise invalid("add_special_tokens=true is not supported on chat: the chat template "
+                          "writes the special tokens; accepted: false", "add_special_tokens",
+                          "unsupported_parameter")
         if all(not m.text() for m in self.messages):
             raise invalid("the messages have no content", "messages")
 
@@ -244,16 +432,54 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: chat_template_kwargs, and the two controls."""
+        kwargs = {"add_generation_prompt": self.add_generation_prompt is not False}
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return {**kwargs, **(self.chat_template_kwargs or {})}
+
     def chat_messages(self) -> list[dict]:
         # the "developer" role is OpenAI's newer name for "system"
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        out = []
+        for m in self.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.reasoning_content is not None:
+                message["reasoning_content"] = m.reasoning_content
+            out.append(message)
+        return out
+
+
+_NESTED = {"stream_options": StreamOptions}
+
+
+def _known_fields(model: type[BaseModel]) -> set[str]:
+    names = set()
+    for name, field in model.model_fields.items():
+        names.add(field.alias or name)
+    return names | set(model.unsupported_fields)
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate ``body`` into ``model``; a schema error becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    known = _known_fields(model)
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        elsewhere = [m.route for m in (CompletionRequest, ChatCompletionRequest)
+                     if m is not model and name in _known_fields(m)]
+        if elsewhere and not close:
+            hint = f" (a field of {elsewhere[0]}, not of {model.route})"
+        others = f" (and {len(unknown) - 1} more unknown)" if len(unknown) > 1 else ""
+        raise invalid(f"unknown field {name[:80]!r}{hint}{others}: this server refuses the "
+                      "fields it does not know rather than ignore them; the fields it accepts "
+                      "are listed in docs/serve.md (Request fields)", name[:80], "unknown_field")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -262,6 +488,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         param = ".".join(loc) or None
         if err["type"] == "missing":
             message = f"missing required parameter: {param!r}"
+        elif err["type"] == "extra_forbidden" and loc[0] in _NESTED:
+            accepted = ", ".join(_NESTED[loc[0]].model_fields)
+            message = f"unknown field {param!r}; {loc[0]} accepts: {accepted}"
         else:
             given = err.get("input")
             shown = repr(given)[:80]

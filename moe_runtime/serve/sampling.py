@@ -2,13 +2,17 @@
 
 :class:`BatchSampler` picks the next token of every running request with tensor operations over
 the batch: repetition, frequency and presence penalties, temperature, top-k, top-p and min-p (in
-transformers' order and with its definitions), then a Gumbel-max draw. Per-request parameters live
+transformers' order and with its definitions), then a Gumbel-max draw. A request with ``min_tokens``
+has its stop tokens masked out until it has generated that many. Per-request parameters live
 in device tables indexed by a row per request, so one step is the same kernels whatever the batch
 holds: no Python loop over requests on the device side, no host sync (a CUDA graph can capture it).
 Random numbers are counter-based: a splitmix64 hash of (request seed, the request's position, vocab
 id), in int64 torch ops on the device. A request's tokens depend on its logits, seed and position
 only, not on which requests share its batch nor on its row. Plain greedy requests (no penalties, no
-logprobs) take no row: they share row 0, the scratch row that padding rows also index.
+logprobs, no min_tokens) take no row: they share row 0, the scratch row that padding rows also
+index. At most ``max_slots`` requests that need a row may be open at once: :meth:`BatchSampler.open`
+refuses one more (returns None) until another is released, so the batching thread can never run
+out of rows, however the scheduler interleaves, preempts or restarts requests.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
+# stop token ids a request may add to the model's EOS ids (vLLM's stop_token_ids)
+MAX_STOP_TOKEN_IDS = 64
 # alternatives per token the sampler can record (the API accepts at most
 # protocol.MAX_LOGPROBS, which must not exceed it; this module stays free of the HTTP layer)
 MAX_LOGPROBS = 20
@@ -59,6 +65,10 @@ class SamplingParams:
     :param frequency_penalty: subtracted from a token's logit once per time it was generated.
     :param repetition_penalty: transformers' (CTRL's) penalty over prompt and generated tokens: a
         positive logit is divided by it, a negative one multiplied (1: off).
+    :param min_tokens: until the request has generated this many tokens, ``stop_token_ids`` are
+        never drawn (their logits are -inf, as vLLM's min_tokens processor does).
+    :param stop_token_ids: the tokens that would end the request (its EOS ids and any others);
+        only ``min_tokens`` reads them here.
     """
 
     temperature: float = 1.0
@@ -70,6 +80,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         def finite(name):
@@ -92,6 +104,10 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be an integer, 0 (off) or more, got {self.min_tokens!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         # any integer: seeds are taken modulo 2**64 (n > 1 choices add their index to one)
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                f"seed must be an integer or None, got {self.seed!r}")
@@ -106,9 +122,14 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0)
 
     @property
+    def bans(self) -> bool:
+        """Whether some tokens are masked out at the start (``min_tokens`` over stop tokens)."""
+        return self.min_tokens > 0 and bool(self.stop_token_ids)
+
+    @property
     def needs_slot(self) -> bool:
         """Whether the request needs a row of its own (not a plain greedy one)."""
-        return not self.greedy or self.logprobs is not None or self.penalized
+        return not self.greedy or self.logprobs is not None or self.penalized or self.bans
 
 
 @attrs.frozen
@@ -160,7 +181,7 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) ->
 # columns of the float parameter table
 _T, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _GREEDY = range(7)
 # columns of the integer parameter table
-_TOP_K, _SEED, _POS = range(3)
+_TOP_K, _SEED, _POS, _MIN_TOKENS = range(4)
 _PROMPT_BIT = 1 << 30  # counts: generated-token count in the low bits, this bit: in the prompt
 
 
@@ -182,27 +203,33 @@ class BatchSampler:
     :param vocab_size: columns of the logits (the LM head's output size).
     :param max_slots: requests that may hold a row at once (plain greedy ones hold none).
     :param max_batch: most logits rows in one step (sizes the log-probability buffers).
+    :param max_bans: stop tokens one request's ``min_tokens`` may mask (its ``stop_token_ids``).
     :param device: where the tables live (the model's device).
     :param static: run every stage on every step (what a CUDA graph captures). Without it a step
         skips the stages no row of the batch uses; a row's token is the same either way.
 
-    ``open``, ``close`` and ``records`` may be called from any thread; ``rows_for``, ``sample`` and
-    ``collect`` from the batching thread only, in that order each step, and ``release``.
+    ``open``, ``close``, ``release`` and ``records`` may be called from any thread;
+    ``rows_for``, ``sample`` and ``collect`` from the batching thread only, in that order each
+    step.
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int = 64, max_batch: int = 64,
-                 device: str | torch.device = "cpu", static: bool = False) -> None:
+                 max_bans: int = MAX_STOP_TOKEN_IDS + 8, device: str | torch.device = "cpu",
+                 static: bool = False) -> None:
         _check(vocab_size >= 1 and max_slots >= 1 and max_batch >= 1,
                f"vocab_size, max_slots and max_batch must be positive, got {vocab_size}, "
                f"{max_slots}, {max_batch}")
         self.vocab_size = vocab_size
         self.max_slots = max_slots
         self.max_batch = max_batch
+        self.max_bans = max(1, max_bans)
         self.device = torch.device(device)
         self.static = static
         rows = max_slots + 1  # row 0: greedy scratch (plain greedy requests and padding)
         self._fparams = torch.zeros((rows, 7), dtype=torch.float32, device=self.device)
-        self._iparams = torch.zeros((rows, 3), dtype=torch.int64, device=self.device)
+        self._iparams = torch.zeros((rows, 4), dtype=torch.int64, device=self.device)
+        # per row: the token ids min_tokens masks (-1: none)
+        self._bans = torch.full((rows, self.max_bans), -1, dtype=torch.int64, device=self.device)
         self._fparams[:, [_T, _TOP_P, _REP, _GREEDY]] = 1.0
         self._iparams[:, _TOP_K] = vocab_size
         self._counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=self.device)
@@ -213,28 +240,48 @@ class BatchSampler:
                                    device=self.device)
         self._tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._slots: dict[int, _Slot] = {}
+        self._holding: set[int] = set()  # keys of open slots not yet released: each may need a row
         self._closed: list[_Slot] = []
         self._free = list(range(max_slots, 0, -1))
         self._lock = threading.Lock()
         self._next = 0
         # the last step, for collect(): its slots (None: a greedy row) and what it ran
         self._step: list[_Slot | None] = []
-        self._flags = (True, True, True)
+        self._flags = (True, True, True, True)
         # called with the number of sequences that get a token, once per forward step
         self.on_step: Callable[[int], None] | None = None
+        # called (from the thread that released or closed it) when a slot stops holding room
+        self.on_room: Callable[[], None] | None = None
 
     # --- any thread
 
-    def open(self, params: SamplingParams, prompt: Sequence[int] = ()) -> int:
-        """Register a request; returns the key to pass as ``SLOT_KWARG`` (or GREEDY: no row)."""
+    def open(self, params: SamplingParams, prompt: Sequence[int] = ()) -> int | None:
+        """Register a request; returns the key to pass as ``SLOT_KWARG`` (or GREEDY: no row), or
+        None when ``max_slots`` requests that need a row are open already (try again once
+        ``on_room`` is called)."""
         if not params.needs_slot:
             return GREEDY
+        _check(len(params.stop_token_ids) <= self.max_bans or not params.bans,
+               f"{len(params.stop_token_ids)} stop tokens for min_tokens; the sampler holds "
+               f"{self.max_bans} per request")
         slot = _Slot(params, prompt)
         with self._lock:
+            if len(self._holding) >= self.max_slots:
+                return None
             key = self._next
             self._next = (self._next + 1) % (2**31 - 1)
             self._slots[key] = slot
+            self._holding.add(key)
         return key
+
+    @property
+    def has_room(self) -> bool:
+        """Whether :meth:`open` would accept a request that needs a row."""
+        return len(self._holding) < self.max_slots
+
+    def _roomed(self) -> None:
+        if self.on_room is not None:
+            self.on_room()
 
     def close(self, key: int) -> None:
         """The request is done: its row returns to the pool (on the batching thread's next step)."""
@@ -244,6 +291,10 @@ class BatchSampler:
             slot = self._slots.pop(key, None)
             if slot is not None:
                 self._closed.append(slot)
+            freed = key in self._holding
+            self._holding.discard(key)
+        if freed:
+            self._roomed()
 
     def release(self, key: int) -> None:
         """The request made its last token (called by the batching thread as it delivers it): its
@@ -254,8 +305,12 @@ class BatchSampler:
             return
         with self._lock:
             slot = self._slots.get(key)
-            if slot is not None:
+            freed = key in self._holding
+            if slot is not None and freed:
                 self._closed.append(slot)
+            self._holding.discard(key)
+        if freed:
+            self._roomed()
 
     def records(self, key: int) -> list[TokenLogprob]:
         """The log-probabilities recorded so far for a request (empty: none asked for)."""
@@ -290,11 +345,12 @@ class BatchSampler:
             self.on_step(len(keys))
         live = [s.params for s in slots if s is not None]
         self._flags = (any(not p.greedy for p in live), any(p.penalized for p in live),
-                       any(p.logprobs is not None for p in live))
+                       any(p.logprobs is not None for p in live), any(p.bans for p in live))
         return torch.tensor([s.row if s is not None else 0 for s in slots], dtype=torch.int32)
 
     def _assign(self, fresh: list[_Slot]) -> None:
         if len(fresh) > len(self._free):
+            # open() admits at most max_slots unreleased slots, so this cannot happen
             raise SamplingError(
                 f"{len(self._slots)} requests hold sampling rows and {len(fresh)} more need one, "
                 f"but the sampler has {self.max_slots} rows (max_slots)")
@@ -302,17 +358,22 @@ class BatchSampler:
             s.row = self._free.pop()
         rows = torch.tensor([s.row for s in fresh], dtype=torch.int64)
         fvals, ivals = [], []
-        for s in fresh:
+        bans = torch.full((len(fresh), self.max_bans), -1, dtype=torch.int64)
+        for i, s in enumerate(fresh):
             p = s.params
             fvals.append([1.0 if p.greedy else p.temperature, p.top_p, p.min_p,
                           p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                           1.0 if p.greedy else 0.0])
             top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
-            ivals.append([top_k, s.seed, 0])
+            ivals.append([top_k, s.seed, 0, p.min_tokens if p.bans else 0])
+            ids = [t for t in p.stop_token_ids if t < self.vocab_size][:self.max_bans] \
+                if p.bans else []
+            bans[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         dev_rows = rows.to(self.device)
         self._fparams.index_copy_(0, dev_rows, torch.tensor(fvals).to(self.device))
         self._iparams.index_copy_(0, dev_rows, torch.tensor(ivals, dtype=torch.int64)
                                   .to(self.device))
+        self._bans.index_copy_(0, dev_rows, bans.to(self.device))
         self._counts.index_fill_(0, dev_rows, 0)
         for s in fresh:
             ids = [t for t in s.prompt if 0 <= t < self.vocab_size]
@@ -329,12 +390,13 @@ class BatchSampler:
         if v != self.vocab_size or b > self.max_batch:
             raise SamplingError(f"logits of shape {tuple(logits.shape)}: the sampler was made "
                                 f"for {self.vocab_size} columns and at most {self.max_batch} rows")
-        sampled, penalized, logprobs = (True, True, True) if self.static else self._flags
+        sampled, penalized, logprobs, banned = (True,) * 4 if self.static else self._flags
         rows = rows.to(device=logits.device, dtype=torch.int64)
         raw = logits.float()
         fp = self._fparams.index_select(0, rows)
         ip = self._iparams.index_select(0, rows)
-        x = _penalize(raw, fp, self._counts.index_select(0, rows)) if penalized else raw
+        x = _ban(raw, ip, self._bans.index_select(0, rows)) if banned else raw
+        x = _penalize(x, fp, self._counts.index_select(0, rows)) if penalized else x
         tokens = x.argmax(dim=-1)
         if sampled:
             tokens = torch.where(fp[:, _GREEDY] > 0, tokens, self._draw(x, fp, ip))
@@ -367,7 +429,8 @@ class BatchSampler:
         rows = rows.to(device=logits.device, dtype=torch.int64)
         fp = self._fparams.index_select(0, rows)
         ip = self._iparams.index_select(0, rows)
-        x = _penalize(logits.float(), fp, self._counts.index_select(0, rows))
+        x = _ban(logits.float(), ip, self._bans.index_select(0, rows))
+        x = _penalize(x, fp, self._counts.index_select(0, rows))
         ascending, order = _filter(x, fp, ip)
         return torch.empty_like(ascending).scatter_(1, order, ascending)
 
@@ -388,6 +451,14 @@ class BatchSampler:
                 top = min(s.params.logprobs, self.vocab_size)
                 s.records.append(TokenLogprob(tokens[i], chosen[i],
                                               tuple(zip(ids[i][:top], values[i][:top]))))
+
+
+def _ban(x: torch.Tensor, ip: torch.Tensor, bans: torch.Tensor) -> torch.Tensor:
+    """-inf at each row's banned ids while it has made fewer than its min_tokens tokens."""
+    active = (ip[:, _POS, None] < ip[:, _MIN_TOKENS, None]) & (bans >= 0)
+    ninf = torch.full_like(bans, 0, dtype=x.dtype).masked_fill_(active, float("-inf"))
+    # adding 0 or -inf: padding entries (index 0, adding 0) cannot undo a real ban of token 0
+    return x.scatter_add(1, bans.clamp(min=0), ninf)
 
 
 def _penalize(x: torch.Tensor, fp: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

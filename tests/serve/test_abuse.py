@@ -84,10 +84,10 @@ def test_fifty_thousand_nested_brackets_are_a_400(http):
 
 def test_nesting_one_level_past_the_limit_is_a_400_and_at_the_limit_is_served(http, target):
     def body(depth: int) -> bytes:
-        # the body object is one level; the vendor field adds the rest
-        inner = "[" * (depth - 1) + "]" * (depth - 1)
+        # the body object and the prediction object are two levels; its content adds the rest
+        inner = "[" * (depth - 2) + "]" * (depth - 2)
         return (f'{{"model": "{target.model}", "prompt": "hi", "max_tokens": 1, '
-                f'"some_vendor_field": {inner}}}').encode()
+                f'"prediction": {{"content": {inner}}}}}').encode()
 
     assert_openai_error(post_raw(http, body(MAX_JSON_DEPTH + 1)), 400, "json_too_deep")
     assert post_raw(http, body(MAX_JSON_DEPTH)).status_code == 200

@@ -68,10 +68,12 @@ def test_chat_messages_of_the_wrong_type_are_a_400(http, server):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages.0.role")
 
 
-def test_unknown_fields_are_ignored(http, server):
+def test_unknown_fields_are_a_400_naming_them(http, server):
     body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "temperature": 0,
             "some_vendor_field": {"nested": [1, 2]}}
-    assert http.post("/v1/completions", json=body).status_code == 200
+    err = assert_error(http.post("/v1/completions", json=body), 400, code="unknown_field",
+                       param="some_vendor_field")
+    assert "'some_vendor_field'" in err["message"]
 
 
 def test_an_omitted_model_means_the_served_one(http):

@@ -195,20 +195,26 @@ def test_logprobs_are_the_models_own_and_recorded_per_request():
     assert s.records(other) == []
 
 
-def test_rows_return_to_the_pool_and_running_out_is_an_error():
+def test_rows_return_to_the_pool_and_open_refuses_more_than_max_slots():
     s = BatchSampler(V, max_slots=2, max_batch=4)
+    rooms = []
+    s.on_room = lambda: rooms.append(1)
     logits = _logits(1, rows=3)[0]
-    keys = [s.open(SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
-    _step(s, keys[:2], logits[:2])
-    s.close(keys[0])
-    _step(s, keys[1:], logits[:2])  # the closed request's row went to the third
-    with pytest.raises(SamplingError, match="max_slots"):
-        extra = s.open(SamplingParams(temperature=1.0, seed=7))
-        s.rows_for([keys[1], keys[2], extra])
-    assert s.open_slots == 3
-    for k in keys[1:]:
-        s.close(k)
-    assert s.open_slots == 1
+    keys = [s.open(SamplingParams(temperature=1.0, seed=i)) for i in range(2)]
+    assert s.open(SamplingParams(temperature=1.0, seed=2)) is None and not s.has_room
+    assert s.open(SamplingParams(temperature=0.0)) == GREEDY  # greedy ones need no row
+    _step(s, keys, logits[:2])
+    s.release(keys[0])  # its last token: room for one more, its records kept until close
+    assert rooms == [1] and s.has_room
+    third = s.open(SamplingParams(temperature=1.0, seed=2))
+    assert third is not None and s.open(SamplingParams(temperature=1.0)) is None
+    _step(s, [keys[1], third], logits[:2])  # the released row went to the third
+    s.close(keys[0])  # closing after release gives no second room
+    assert rooms == [1] and s.open_slots == 2
+    s.close(keys[1])  # closing one never released gives its room back
+    assert rooms == [1, 1] and s.has_room
+    s.close(third)
+    assert s.open_slots == 0
 
 
 @pytest.mark.parametrize("field, value, words", [
