@@ -263,32 +263,44 @@ def test_benchmark_dry_run(tmp_path):
     assert "| tiny | 1 |" in md and "| tiny | 16 |" in md
 
 
+GPU_MODES = {  # config overrides of the GPU check: the default, the wgmma control, pairs + x_f16
+    "default": {}, "wgmma": {"mma_sync": False},
+    "pairs_x16": {"fused": False, "pairs": True, "x_f16": True},
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(GPU_MODES))
 @pytest.mark.parametrize("N", [1, 2, 16, 128])
-def test_gpu_bf16_graph_replay_matches_reference_and_today(N):
+def test_gpu_bf16_graph_replay_matches_reference_and_today(N, mode):
     """bfloat16 activations on a mid-size layer, eager and CUDA-graph replayed, against the float32
-    reference and today's ``ops.fused_moe_prepared``."""
+    reference and today's ``ops.fused_moe_prepared``; the interleaved layout (the pairs mode's)
+    with ``pairs_x16``."""
     dev = "cuda"
     E, H, I, topk = 16, 512, 256, 4
+    if mode == "pairs_x16" and N * topk > W.FUSED_MAX_PAIRS:
+        pytest.skip("a block per pair: a few pairs only")
     w = make_weights(E, H, I, seed=11, device=dev)
-    ww = W.prepare_w4a16(w)
+    ww = W.prepare_w4a16(w, W.W4A16Layout(64, 256, 64, 32, True) if mode == "pairs_x16"
+                         else None)
     g = torch.Generator(device=dev).manual_seed(N)
     x = torch.randn(N, H, device=dev, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:topk] for _ in range(N)]).int()
     wts = torch.rand(N, topk, device=dev, generator=g)
     ref = reference(x, ids, wts, w)
-    out = W.fused_moe_w4a16(x, ids, wts, ww)
+    cfg = {**W.default_config(ww, N, topk), **GPU_MODES[mode]}
+    out = W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
     assert rel_err(out, ref) < 1.5e-2
     today = ops.fused_moe_prepared(x, ids, wts, ops.prepare_weights(w))
     assert rel_err(out, today) < 1.5e-2
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        W.fused_moe_w4a16(x, ids, wts, ww)
+        W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gout = W.fused_moe_w4a16(x, ids, wts, ww)
+        gout = W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
