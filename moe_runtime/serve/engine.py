@@ -536,12 +536,16 @@ class Engine:
 
     async def complete(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        sampling: SamplingParams, stop: Sequence[str] = (),
-                       request_id: str | None = None, _probe: bool = False) -> Delta:
-        """The whole response as one :class:`Delta` (its text is the full text)."""
+                       request_id: str | None = None, _probe: bool = False,
+                       **stopping) -> Delta:
+        """The whole response as one :class:`Delta` (its text is the full text); ``stopping``:
+        :meth:`generate`'s ``stop_token_ids``, ``ignore_eos``, ``include_stop_str``,
+        ``skip_special_tokens``."""
         parts = []
         last = None
         async for delta in self.generate(prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                                         stop=stop, request_id=request_id, _probe=_probe):
+                                         stop=stop, request_id=request_id, _probe=_probe,
+                                         **stopping):
             parts.append(delta.text)
             last = delta
         assert last is not None

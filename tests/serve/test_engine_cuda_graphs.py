@@ -116,3 +116,47 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
     assert tokens[None] == tokens[False]
     assert tokens[False, "alone"] == tokens[False, "batched"] == tokens[None, "batched"] \
         == tokens[None, "alone"]
+
+
+async def _stopping(engine, prompt, max_tokens):
+    """Greedy tokens EOS ignored; then a stop token from them, and min_tokens holding it off,
+    in one batch with sampled requests (so the graph runs every sampler stage)."""
+    plain = await engine.complete(prompt, max_tokens=max_tokens,
+                                  sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+    ids = list(plain.token_ids)
+    stop = next(t for k, t in enumerate(ids) if k >= 2 and t not in ids[:k])
+    at = ids.index(stop)
+    runs = [engine.complete(prompt, max_tokens=max_tokens, ignore_eos=True,
+                            stop_token_ids=[stop], sampling=SamplingParams(temperature=0.0)),
+            engine.complete(prompt, max_tokens=max_tokens, ignore_eos=True,
+                            stop_token_ids=[stop], sampling=SamplingParams(
+                                temperature=0.0, min_tokens=at + 4)),
+            *[engine.complete(prompt, max_tokens=max_tokens, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.9, seed=s))
+              for s in range(3)]]
+    cut, held, *_ = await asyncio.gather(*runs)
+    assert list(cut.token_ids) == ids[:at + 1] and cut.finish_reason == "stop"
+    assert stop not in held.token_ids[:at + 4] and len(held.token_ids) >= at + 4
+    return ids, list(held.token_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
+                                                            "captured only there)")
+def test_gpu_graph_replayed_decode_honours_stop_tokens_and_min_tokens(tmp_path):
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    got = {}
+    for graphs in (False, None):
+        engine = Engine(loaded, max_batch_size=8, max_model_len=256, cuda_graphs=graphs,
+                        batching="continuous")
+        assert engine.batching.graphs.on is (graphs is None), engine.batching.describe()
+        engine.start()
+        try:
+            got[graphs] = asyncio.run(_stopping(engine, engine.encode_prompt("Once upon"), 24))
+        finally:
+            engine.shutdown()
+    assert got[None] == got[False]
