@@ -349,6 +349,8 @@ def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list
     ]
     if base["BLOCK_M"] == 128:
         out.append({**m128, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(128, bk, 0, 8, 4)})
+    else:
+        out.append({**m64, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(256, bk, 0, 8, 4)})
     return out
 
 
