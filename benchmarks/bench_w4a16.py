@@ -135,14 +135,22 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+_FACTS: dict = {}
+
+
 def kernel_facts(compiled, weights_per_iter, warps):
     """``sass_inspect.analyse`` of a launched kernel (MMA kind, shared-memory round trips in the
-    loop, pipeline depth, registers, CTAs per SM, SASS per weight); None if unavailable."""
+    loop, pipeline depth, registers, CTAs per SM, SASS per weight); None if unavailable. Once
+    per compiled kernel."""
+    key = (getattr(compiled, "hash", None) or id(compiled), weights_per_iter, warps)
+    if key in _FACTS:
+        return _FACTS[key]
     try:
         import sass_inspect
 
         f = sass_inspect.analyse(compiled, warps, weights_per_iter, weights_per_iter * 0.5625)
         f.pop("loop_ops", None)
+        _FACTS[key] = f
         return f
     except Exception as exc:  # the facts are an aid; the bench runs without them
         log(f"  (no kernel facts: {type(exc).__name__}: {exc})")
