@@ -382,12 +382,31 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
         if row["roofline_flops_us"]:
             row["tma_pct_flops_roof"] = round(100 * row["roofline_flops_us"] / best_us, 1)
             row["today_pct_flops_roof"] = round(100 * row["roofline_flops_us"] / row["today_us"], 1)
+        if device == "cuda" and N <= args.graph_max_tokens:
+            # launch-bound sizes: both paths also timed as CUDA-graph replays (as
+            # bench_triton_moe does up to its GRAPH_MAX_TOKENS), the better one counts
+            twb = tw[bool(cands[bi].get("fused_gu", True))]
+            try:
+                row["today_graph_us"] = _graph_us(timer, [
+                    lambda s=s: ops.fused_moe_prepared(s[0], s[1], s[2], pw) for s in sets])
+                row["tma_graph_us"] = _graph_us(timer, [
+                    lambda s=s: tma.fused_moe_tma(s[0], s[1], s[2], twb, config=cands[bi])
+                    for s in sets])
+                today = min(row["today_us"], row["today_graph_us"])
+                row["speedup_vs_today"] = round(today / min(best_us, row["tma_graph_us"]), 3)
+            except Exception as exc:
+                row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         if not args.no_stages:
             row["stages_us"] = _stage_times(timer, tma, x0, ids0, wts0,
                                             tw[bool(cands[bi].get("fused_gu", True))], cands[bi],
                                             spec, valid_pairs, rate, row,
                                             row["padded_rows"][cands[bi]["BLOCK_M"]])
     return row
+
+
+def _graph_us(timer, fns):
+    graphs = timer.graphs(fns)
+    return round(timer.run([g.replay for g, _ in graphs]) * 1e6, 1)
 
 
 def _stage_times(timer, tma, x, ids, wts, tw, cfg, spec, valid_pairs, rate, row, padded_rows):
@@ -415,8 +434,10 @@ def _row_line(r):
         return f"{head}: {r.get('skipped') or r.get('error')}"
     s = f"{head}: today {r['today_us']} us"
     if "tma_best_us" in r:
-        s += (f", tma {r['tma_best_us']} us ({r['tma_best_config']}) = "
-              f"{r['speedup_vs_today']}x")
+        s += f", tma {r['tma_best_us']} us ({r['tma_best_config']})"
+        if "tma_graph_us" in r:
+            s += f"; graphs: today {r['today_graph_us']}, tma {r['tma_graph_us']}"
+        s += f" = {r['speedup_vs_today']}x"
         if "stages_us" in r:
             s += " stages " + " ".join(f"{k}={v}" for k, v in r["stages_us"].items())
     bad = [e for e in r.get("tma", []) if "error" in e]
@@ -447,7 +468,8 @@ def markdown(meta, rows) -> str:
              "of the 2026-12-04 01:25 run (not re-measured here).", "",
              "GEMMn % mm: the GEMM's valid-row TFLOP/s as a share of the measured matmul rate; "
              "loop: the same on every row it computes (each expert's last block padded to "
-             "BLOCK_M), the main loop's rate.", "",
+             "BLOCK_M), the main loop's rate. Rows up to --graph-max-tokens: the better of eager "
+             "and CUDA-graph replay on each side.", "",
              "| shape | tokens | format | today (us) | TMA best (us) | TMA / today | vs peer "
              "(old run) | TMA % flops roof | GEMM1 % mm (loop) | GEMM2 % mm (loop) | padding "
              "M64 / M128 | best config | stages (us) |",
@@ -459,6 +481,9 @@ def markdown(meta, rows) -> str:
             continue
         peer = PEER_US_20261204.get((r["shape"], r["tokens"], r["format"]))
         best = r.get("tma_best_us")
+        if best and r.get("tma_graph_us"):
+            best = min(best, r["tma_graph_us"])
+        today = min(r["today_us"], r.get("today_graph_us") or r["today_us"])
         vs_peer = f"{peer / best:.2f}x" if peer and best else "-"
         st = " ".join(f"{k} {v}" for k, v in r.get("stages_us", {}).items())
         pr = r.get("padded_rows", {})
@@ -468,7 +493,7 @@ def markdown(meta, rows) -> str:
         def pct(g):
             return f"{r.get(g + '_pct_mm_rate', '-')} ({r.get(g + '_loop_pct_mm_rate', '-')})"
         lines.append(
-            f"| {r['shape']} | {r['tokens']} | {r['format']} | {r['today_us']} | {best or '-'} | "
+            f"| {r['shape']} | {r['tokens']} | {r['format']} | {today} | {best or '-'} | "
             f"{r.get('speedup_vs_today', '-')} | {vs_peer} | {r.get('tma_pct_flops_roof', '-')} | "
             f"{pct('gemm1')} | {pct('gemm2')} | {pad} | "
             f"{r.get('tma_best_config', '-')} | {st} |")
@@ -514,6 +539,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-configs", type=int, default=0, help="at most this many TMA configs a row")
     ap.add_argument("--warm-workers", type=int, default=8,
                     help="processes compiling the kernels first (0: compile as they run)")
+    ap.add_argument("--graph-max-tokens", type=int, default=B.GRAPH_MAX_TOKENS,
+                    help="rows up to this many tokens are also timed as CUDA-graph replays")
     ap.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul-rate measurement")
     ap.add_argument("--smoke", action="store_true",
