@@ -341,6 +341,10 @@ def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list
         {**other, "a_gather": True},
         m64w4,
         {**m64w4, "g1": _gcfg(128, bk, 0, 4, 4), "programs_per_sm": 2},
+        # two programs per SM, each a 2-stage pipeline: one computes while the other is in its
+        # epilogue (ping-pong across programs)
+        {**m64w4, "g1": _gcfg(256, bk, 0, 4, 2), "g2": _gcfg(256, bk, 0, 4, 2),
+         "programs_per_sm": 2},
         {**base, "g1": {**base["g1"], "GROUP_M": 8}, "g2": {**base["g2"], "GROUP_M": 8}},
         {**base, "flatten": False},
         {**base, "programs": 0},
