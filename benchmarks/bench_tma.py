@@ -378,6 +378,7 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
     if timed:
         best_us, bi = min(timed)
         row["tma_best_us"], row["tma_best_config"] = best_us, row["tma"][bi]["config"]
+        row["tma_best"] = cands[bi]  # the config itself, as a tuned-table entry would hold it
         row["speedup_vs_today"] = round(row["today_us"] / best_us, 3)
         if row["roofline_flops_us"]:
             row["tma_pct_flops_roof"] = round(100 * row["roofline_flops_us"] / best_us, 1)
