@@ -154,7 +154,10 @@ class Engine:
         self.token_bound = bound
         # requests decoded together, and the tokens of one prefill forward, within the plan
         self.batch_cap = min(max_batch_size, bound) if bound else max_batch_size
-        self.max_batch_tokens = max(256, min(2048, self.context_length))
+        # several prompts per prefill forward (chunked beyond): prefill and mixed steps run
+        # eagerly, so each one saved is a whole eager forward (on the H200's 48-layer bench,
+        # 256 tokens a step made 8 such steps of 16 clients' 128-token prompts)
+        self.max_batch_tokens = PREFILL_TOKENS
         if bound:
             self.max_batch_tokens = min(self.max_batch_tokens, bound)
         if self.batch_cap < max_batch_size:
@@ -552,6 +555,7 @@ class Engine:
         return attrs.evolve(last, text="".join(parts))
 
 
+PREFILL_TOKENS = 2048  # tokens of one prefill forward, within the plan's bound
 DECODE_PADDING = 8  # query tokens a graphed decode batch is padded to a multiple of
 
 
