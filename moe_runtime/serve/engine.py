@@ -166,7 +166,8 @@ class Engine:
         device = next(loaded.model.parameters()).device
         batching_choice = choose_batching(config, batching)
         graphs = choose_cuda_graphs(device, batching_choice.path, self.batch_cap,
-                                    bound_from if bound else "max_batch_size", cuda_graphs)
+                                    bound_from if bound and bound < max_batch_size
+                                    else "max_batch_size", cuda_graphs)
         self.batching = attrs.evolve(batching_choice, graphs=graphs)
         self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
                                     max_batch=self.batch_cap,
