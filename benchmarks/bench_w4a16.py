@@ -77,12 +77,18 @@ VARIANTS = {
     "r64k256i_d64 sync s3 x16 pairs": ("r64k256i_d64", {"mma_sync": True, "num_stages": 3,
                                                        "x_f16": True, "fused": False,
                                                        "pairs": True}),
+    # the same with GEMM 1 split over K (W.split_k: about 6 programs per SM)
+    "r64k256i_d64 sync s3 x16 splitk": ("r64k256i_d64", {"mma_sync": True, "num_stages": 3,
+                                                        "x_f16": True, "fused": False,
+                                                        "pairs": True, "split_k": 0}),
 }
 DRY_VARIANTS = {"r32k64 sync": ("r32k64", {"mma_sync": True}),
                 "r32k64 wgmma": ("r32k64", {"mma_sync": False}),
                 "r32k64 sync fused": ("r32k64", {"mma_sync": True, "fused": True}),
                 "r32k64 sync pairs": ("r32k64", {"mma_sync": True, "fused": False,
-                                                 "pairs": True})}
+                                                 "pairs": True}),
+                "r32k64 sync splitk": ("r32k64", {"mma_sync": True, "fused": False,
+                                                  "pairs": True, "split_k": 2})}
 STAGE_REPEATS = 10  # launches of one stage per captured graph (per-stage times)
 
 
@@ -271,7 +277,19 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
                  "ROWS1": lo.gate_up_rows, "COLS1": lo.gate_up_cols, "ROWS2": lo.down_rows,
                  "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2,
                  "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+            if "split_k" in over:
+                sk = sass_inspect.compile_jit(W.w4a16_splitk_gemm1_kernel, {
+                    "x_ptr": x, "ids_ptr": "*i32", "w_ptr": "*u8", "s2_ptr": "*fp32",
+                    "inter_ptr": "*fp16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
+                    "E": "i32", "H": "i32", "topk": "i32", "stride_xm": "i32",
+                    "stride_im": "i32"},
+                    {"NI": ni, "NK": nk1, "KS": 2, "SPLIT": -(-nk1 // 2),
+                     "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols, "IP": ni * lo.inter_cols,
+                     "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
+                     "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
         ent = {}
+        if "split_k" in over:
+            ent["gemm1 split-K"] = sass_inspect.analyse(sk, warps, per_step, per_step * 0.5625)
         for kname, k, wts in (("gemm1", g1, per_step),
                               ("gemm2", g2, lo.down_rows * lo.down_cols * ku),
                               ("fused", fu, per_step)):
@@ -353,6 +371,11 @@ def grid_report(spec, tokens, variants, layouts=LAYOUTS, sms=132):
                 continue
             if vcfg["fused"]:
                 progs = {"fused": P * ni}
+            elif vcfg.get("pairs") and "split_k" in over:
+                nk1 = -(-H // lo.gate_up_cols)
+                want = over["split_k"] or round(6 * sms / max(1, P * ni))
+                sk = -(-nk1 // -(-nk1 // max(1, min(nk1, want))))
+                progs = {"gemm1 split-K": P * ni * sk, "gemm2": P * nh}
             elif vcfg.get("pairs"):
                 progs = {"gemm1": P * ni, "gemm2": P * nh}
             else:
@@ -436,7 +459,7 @@ def run_shape(name, spec, tokens, layouts, variants, args, timer, device, dtype)
             if over.get("fused") and N > W.FUSED_MAX_TOKENS:
                 continue  # the one-launch path's workspace holds FUSED_MAX_TOKENS rows
             if over.get("pairs") and N * K > W.FUSED_MAX_PAIRS:
-                continue  # a block per pair: for a few pairs only
+                continue  # a block per pair: for a few pairs only (and the split-K workspace)
             ww = wws[ln]
             cfg = {**W.default_config(ww, N, K), **over}
             cands[f"w4a16 {vn}"] = (

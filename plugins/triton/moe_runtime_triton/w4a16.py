@@ -90,6 +90,10 @@ class W4A16Weights:
     w2_scale_2: torch.Tensor
     acc: torch.Tensor  # float32 [FUSED_MAX_TOKENS, H padded to down_rows]
     count: torch.Tensor  # int32 [FUSED_MAX_TOKENS]
+    # the split-K GEMM 1's self-clearing workspace: float32 [FUSED_MAX_PAIRS, 2, I padded],
+    # int32 [FUSED_MAX_PAIRS * intermediate tiles]
+    ws: torch.Tensor
+    ws_count: torch.Tensor
     num_experts: int
     hidden_size: int
     intermediate_size: int
@@ -183,6 +187,9 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
         w13_scale_2=f32(w.w13_scale_2), w2_scale_2=f32(w.w2_scale_2),
         acc=torch.zeros((FUSED_MAX_TOKENS, Hp2), dtype=torch.float32, device=dev),
         count=torch.zeros(FUSED_MAX_TOKENS, dtype=torch.int32, device=dev),
+        ws=torch.zeros((FUSED_MAX_PAIRS, 2, Ip), dtype=torch.float32, device=dev),
+        ws_count=torch.zeros(FUSED_MAX_PAIRS * (Ip // lo.inter_cols), dtype=torch.int32,
+                             device=dev),
         num_experts=E, hidden_size=H, intermediate_size=I,
     )
 
@@ -241,15 +248,16 @@ def w4a16_decode_kernel(w_ptr, out_ptr, NR: tl.constexpr, NK: tl.constexpr, ROWS
 @triton.jit
 def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
              NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BT: tl.constexpr,
-             EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr):
-    """GEMM 1's K loop for output tile ``j`` of expert ``e64``: ``(gate, up)`` accumulators
-    ``[IC, BT]`` (``IC = ROWS / 2`` interleaved, else ``ROWS``) of ``W @ X^T``, ``X^T`` read from
-    ``xt_ptrs [COLS, BT]`` under ``col_mask [1, BT]``."""
+             EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr, KB0, KB1):
+    """GEMM 1's K loop for output tile ``j`` of expert ``e64`` over K tiles ``[KB0, KB1)``:
+    ``(gate, up)`` accumulators ``[IC, BT]`` (``IC = ROWS / 2`` interleaved, else ``ROWS``) of
+    ``W @ X^T``, ``X^T`` read from ``xt_ptrs [COLS, BT]`` (at K tile ``KB0``) under ``col_mask
+    [1, BT]``."""
     CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
     if IL:
         off = (e64 * NI + j) * (NK * CHUNK)
         acc = tl.zeros((ROWS, BT), dtype=tl.float32)
-        for kb in range(0, NK):
+        for kb in range(KB0, KB1):
             if EVEN_K:
                 xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
             else:
@@ -264,7 +272,7 @@ def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
         off_u = off_g + NI * (NK * CHUNK)
         acc_g = tl.zeros((ROWS, BT), dtype=tl.float32)
         acc_u = tl.zeros((ROWS, BT), dtype=tl.float32)
-        for kb in range(0, NK):
+        for kb in range(KB0, KB1):
             if EVEN_K:
                 xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
             else:
@@ -319,7 +327,7 @@ def w4a16_gemm1_kernel(
     xt_ptrs = x_ptr + tok[None, :] * stride_xm + offs_k[:, None]
     e64 = e.to(tl.int64)
     acc_g, acc_u = _gate_up(w_ptr, xt_ptrs, offs_k, valid[None, :], e64, pid_n, H,
-                            NI, NK, ROWS, COLS, BT, EVEN_K, USE_ASM, IL)
+                            NI, NK, ROWS, COLS, BT, EVEN_K, USE_ASM, IL, 0, NK)
     s2 = tl.load(s2_ptr + e) * 128.0
     h = _act_mul(acc_g * s2, acc_u * s2, ACT)
     IC: tl.constexpr = ROWS // 2 if IL else ROWS
@@ -327,6 +335,60 @@ def w4a16_gemm1_kernel(
     # padding rows (pair == P) are written too (zeros): GEMM 2 reads whole blocks unmasked
     tl.store(inter_ptr + offs_t.to(tl.int64)[None, :] * stride_im + offs_n[:, None],
              h.to(inter_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["P", "E", "topk"])
+def w4a16_splitk_gemm1_kernel(
+    x_ptr, ids_ptr, w_ptr, s2_ptr, inter_ptr, ws_ptr, count_ptr,
+    P, E, H, topk, stride_xm, stride_im,
+    NI: tl.constexpr, NK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, IP: tl.constexpr, ACT: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr = False,
+    MMA_SYNC: tl.constexpr = False,
+):
+    """GEMM 1 of the pairs mode split over K: program ``(pair, j, s)`` adds the gate and up sums
+    of K tiles ``[s * KS, (s + 1) * KS)`` into ``ws [pair, 2, IP]`` (float32); the program that
+    finishes a ``(pair, j)`` last (``count``) applies the activation, writes block ``pair`` of
+    ``inter`` (the pairs mode's GEMM 2 operand: its row 0, zero padding rows) and clears both.
+    More programs than K-whole tiles give (at 1 token 8 pairs x NI); the sums' order varies
+    (float32 atomics)."""
+    pair = tl.program_id(0)
+    j = tl.program_id(1)
+    sp = tl.program_id(2)
+    IC: tl.constexpr = ROWS // 2 if IL else ROWS
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    ok = (e >= 0) & (e < E)
+    r = tl.arange(0, IC)
+    g_ptrs = ws_ptr + pair.to(tl.int64) * (2 * IP) + j * IC + r
+    if ok:
+        col = tl.arange(0, 16)
+        offs_k = tl.arange(0, COLS)
+        kb0 = sp * KS
+        xt_ptrs = (x_ptr + (pair // topk).to(tl.int64) * stride_xm + kb0 * COLS + offs_k[:, None]
+                   + col[None, :] * 0)
+        acc_g, acc_u = _gate_up(w_ptr, xt_ptrs, offs_k, col[None, :] == 0, e.to(tl.int64), j, H,
+                                NI, NK, ROWS, COLS, 16, EVEN_K, USE_ASM, IL, kb0,
+                                tl.minimum(kb0 + KS, NK))
+        g = tl.sum(tl.where(col[None, :] == 0, acc_g, 0.0), axis=1)
+        u = tl.sum(tl.where(col[None, :] == 0, acc_u, 0.0), axis=1)
+        tl.atomic_add(g_ptrs, g, sem="relaxed")
+        tl.atomic_add(g_ptrs + IP, u, sem="relaxed")
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + pair * NI + j, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        g = tl.load(g_ptrs, cache_modifier=".cg")
+        u = tl.load(g_ptrs + IP, cache_modifier=".cg")
+        tl.store(g_ptrs, tl.zeros([IC], dtype=tl.float32))
+        tl.store(g_ptrs + IP, tl.zeros([IC], dtype=tl.float32))
+        tl.store(count_ptr + pair * NI + j, 0)
+        if ok:
+            s2 = tl.load(s2_ptr + e) * 128.0
+            h = _act_mul(g * s2, u * s2, ACT)
+            # the block's 15 padding rows as zeros (GEMM 2 reads whole blocks)
+            t = tl.arange(0, 16)
+            hb = tl.where(t[:, None] == 0, h[None, :], 0.0)
+            tl.store(inter_ptr + (pair * 16 + t).to(tl.int64)[:, None] * stride_im + j * IC
+                     + r[None, :], hb.to(inter_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["P", "E", "num_m_blocks"])
@@ -389,7 +451,7 @@ def w4a16_fused_kernel(
         CHUNK2: tl.constexpr = ROWS2 * IC // 2 + ROWS2 * IC // 16
         e64 = e.to(tl.int64)
         acc_g, acc_u = _gate_up(w13_ptr, xt_ptrs, offs_k, col[None, :] == 0, e64, j, H,
-                                NI, NK1, ROWS1, COLS1, 16, EVEN_K, USE_ASM, IL)
+                                NI, NK1, ROWS1, COLS1, 16, EVEN_K, USE_ASM, IL, 0, NK1)
         s13 = tl.load(s13_ptr + e) * 128.0
         # columns 1..15 are act(0) * 0 = 0: h is GEMM 2's B operand as it stands
         h = _act_mul(acc_g * s13, acc_u * s13, ACT).to(tl.float16)
@@ -427,7 +489,8 @@ def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
     rather than Hopper's wgmma (:func:`_mma`); ``x_f16`` (not set here): the activations
     converted to float16 by one launch before the GEMMs (:func:`fused_moe_w4a16`); ``pairs``
     (not set here): the grouped path with one 16-row block per (token, expert) pair and no
-    routing launch (GEMM 1, GEMM 2, finalize: for a few pairs)."""
+    routing launch (GEMM 1, GEMM 2, finalize: for a few pairs); ``split_k`` (pairs only, not
+    set here): GEMM 1 split over that many K ranges (:func:`w4a16_splitk_gemm1_kernel`)."""
     pairs = max(1, n_tokens * topk)
     fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
     rows = pairs / min(ww.num_experts, pairs)
@@ -464,6 +527,19 @@ def _mma(cfg: dict):
             del os.environ["DISABLE_MMA_V3"]
         else:
             os.environ["DISABLE_MMA_V3"] = old
+
+
+def split_k(ww: W4A16Weights, pairs: int, want=0) -> int:
+    """K ranges of the split-K GEMM 1 for ``pairs`` pairs: ``want``, or with 0 as many as give
+    about 6 programs per SM (132 SMs without a GPU), at most one per K tile."""
+    lo = ww.layout
+    nk = ww.padded[1] // lo.gate_up_cols
+    if want:
+        return max(1, min(int(want), nk))
+    sms = (torch.cuda.get_device_properties(ww.w13.device).multi_processor_count
+           if ww.w13.is_cuda else 132)
+    ni = ww.padded[0] // lo.inter_cols
+    return max(1, min(nk, round(6 * sms / max(1, pairs * ni))))
 
 
 def _use_asm(rows: int, cols: int, warps: int) -> bool:
@@ -593,14 +669,27 @@ def fused_moe_w4a16(
         nmb = R // bt
     inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
     y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
+    split = split_k(ww, P, cfg.get("split_k", 1)) if pairs else 1
+    if split > 1 and P > ww.ws.shape[0]:
+        raise ValueError(f"the split-K GEMM 1 takes at most {ww.ws.shape[0]} pairs, got {P}")
+    ks = _cdiv(NK1, split)
     with _mma(cfg) as sync:
-        go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
-            hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
-            P, E, H, nmb, topk, hidden.stride(0), inter.stride(0),
-            NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
-            EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
-            IL=lo.interleave, MMA_SYNC=sync, PAIRS=pairs,
-            **_opts(cfg)))
+        if split > 1:
+            go("gemm1", lambda: w4a16_splitk_gemm1_kernel[(P, NI, _cdiv(NK1, ks))](
+                hidden, bexp, ww.w13, ww.w13_scale_2, inter, ww.ws, ww.ws_count,
+                P, E, H, topk, hidden.stride(0), inter.stride(0),
+                NI=NI, NK=NK1, KS=ks, SPLIT=_cdiv(NK1, ks), ROWS=lo.gate_up_rows,
+                COLS=lo.gate_up_cols, IP=Ip, ACT=act, EVEN_K=H == Hp1,
+                USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps), IL=lo.interleave,
+                MMA_SYNC=sync, **_opts(cfg)))
+        else:
+            go("gemm1", lambda: w4a16_gemm1_kernel[(nmb * NI,)](
+                hidden, ww.w13, ww.w13_scale_2, inter, sorted_ids, bexp,
+                P, E, H, nmb, topk, hidden.stride(0), inter.stride(0),
+                NI=NI, NK=NK1, ROWS=lo.gate_up_rows, COLS=lo.gate_up_cols, BT=bt, ACT=act,
+                EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
+                IL=lo.interleave, MMA_SYNC=sync, PAIRS=pairs,
+                **_opts(cfg)))
         go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
             inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
             P, E, H, nmb, inter.stride(0), y.stride(0),
