@@ -3,8 +3,10 @@
 The issue-20 tile-layout path (load-time repack by :func:`prepare_w4a16`, weights as the MMA's M
 operand, a one-launch path for few pairs), exact: the decoded operand equals the reference
 dequantization bit for bit (:func:`decode_w4a16`). Not wired into the backend: its first H200 run
-was 0.47-0.69x of the default path (benchmarks/RESULTS.md). Design notes: the plugin README,
-"Module notes".
+was 0.47-0.69x of the default path (benchmarks/RESULTS.md), with its dots as wgmma, which sends
+the decoded tile through shared memory and leaves one CTA per SM (:func:`_mma`); the GEMMs now
+run ``mma.sync`` by default, and a few pairs can take the pairs mode (no routing launch, GEMM 1
+optionally split over K). Design notes: the plugin README, "Module notes".
 """
 
 from __future__ import annotations
