@@ -276,7 +276,7 @@ class _Server:
         request.state.moe_request = {"id": rid, "prompt_tokens": prompt_tokens}
         stops = dict(stop=req.stop_sequences, stop_token_ids=tuple(req.stop_token_ids or ()),
                      ignore_eos=bool(req.ignore_eos),
-                     include_stop_str=bool(req.include_stop_str_in_output),
+                     include_stop_str=bool(req.include_stop_str_in_output or req.no_stop_trim),
                      skip_special_tokens=req.skip_special_tokens is not False)
         streams = [self.engine.generate(job.prompt_ids, max_tokens=job.max_tokens,
                                         sampling=job.sampling,

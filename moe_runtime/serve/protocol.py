@@ -159,6 +159,9 @@ UNSUPPORTED: dict[str, tuple[tuple, str, str]] = {
                          "chat_template_kwargs instead (Qwen3: {'enable_thinking': false})"),
     "verbosity": (_OFF, "null", "no model here reads it"),
     "store": ((None, False), "false", "this server stores no completions"),
+    "prompt_embeds": (_OFF, "null", "send the prompt as text or token ids"),
+    "thinking_token_budget": (_OFF, "null", "bound the whole completion with max_tokens"),
+    "session_params": (_OFF, "null", "this server keeps no sessions"),
 }
 _CHAT_ONLY = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities",
               "web_search_options", "reasoning_effort", "verbosity", "mm_processor_kwargs"}
@@ -196,6 +199,7 @@ class _Request(BaseModel):
     min_tokens: int | None = Field(default=0, ge=0)
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    no_stop_trim: bool | None = False  # SGLang's name for include_stop_str_in_output
     # accepted, and change nothing here: who is asking, caching and routing hints
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -206,6 +210,11 @@ class _Request(BaseModel):
     parallel_tool_calls: bool | None = None  # no tools here, so nothing to call in parallel
     prediction: dict[str, Any] | None = None  # predicted outputs only speed a response up
     request_id: str | None = Field(default=None, max_length=128)  # vLLM's: the response's id
+    prompt_cache_retention: str | None = None
+    # no reasoning parser here: the reasoning stays in the content, whatever these say
+    include_reasoning: bool | None = None  # vLLM's
+    separate_reasoning: bool | None = None  # SGLang's
+    stream_reasoning: bool | None = None  # SGLang's
 
     @field_validator("min_p")
     @classmethod
@@ -298,6 +307,15 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, v):
+        if isinstance(v, bool):
+            raise PydanticCustomError(
+                "logprobs_type", "on /v1/completions logprobs is the number of alternatives per "
+                f"token, 0 to {MAX_LOGPROBS} (true/false is chat's logprobs, with top_logprobs)")
+        return v
+
     # not OpenAI's completions field, but chat's newer name for max_tokens; benchmark clients
     # send it to both routes
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -366,11 +384,20 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     # what clients send back of an earlier answer: null or empty here (no tools, text only)
-    tool_calls: list[Any] | None = Field(default=None, max_length=0)
-    function_call: None = None
-    audio: None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
     refusal: str | None = None
     reasoning_content: str | None = None  # vLLM's and SGLang's; Qwen3's template reads it
+
+    @field_validator("tool_calls", "function_call", "audio")
+    @classmethod
+    def _nothing_to_carry(cls, v, info):
+        if v not in (None, []):
+            what = "tool calling" if info.field_name != "audio" else "audio"
+            raise PydanticCustomError(
+                "unsupported", "this server has no {what}; accepted: null or []", {"what": what})
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -389,6 +416,15 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None  # an extension (vLLM's)
     # OpenAI's field is top_logprobs; the completions field of the same meaning is logprobs
     top_logprobs_: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, alias="top_logprobs")
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_flag(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            raise PydanticCustomError(
+                "logprobs_type", "on /v1/chat/completions logprobs is true or false; the "
+                f"alternatives per token are top_logprobs, 0 to {MAX_LOGPROBS}")
+        return v
+
     # vLLM's chat template controls
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

@@ -169,3 +169,14 @@ def test_the_openai_client_sends_what_it_is_given(client, server):
         client.completions.create(model=server.model, prompt="hi", max_tokens=3,
                                   extra_body={"top_a": 0.5})
     assert info.value.param == "top_a" and info.value.code == "unknown_field"
+
+
+def test_the_two_routes_logprobs_are_told_apart(http):
+    err = _error(_post(http, "/v1/completions", logprobs=True))
+    assert err["param"] == "logprobs" and "number of alternatives" in err["message"]
+    err = _error(_post(http, "/v1/chat/completions", logprobs=3))
+    assert err["param"] == "logprobs" and "top_logprobs" in err["message"]
+    err = _error(_post(http, "/v1/completions", top_logprobs=2))
+    assert err["param"] == "top_logprobs" and "did you mean 'logprobs'" in err["message"]
+    out = _post(http, "/v1/chat/completions", logprobs=True, top_logprobs=2).json()
+    assert len(out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2

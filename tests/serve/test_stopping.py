@@ -140,6 +140,9 @@ def test_min_tokens_holds_stop_strings_off_and_must_fit(http, server):
     kept = _generate(http, server.model, prompt="Once upon a time", max_tokens=24, stop=stop,
                      include_stop_str_in_output=True)
     assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + stop
+    sglang = _generate(http, server.model, prompt="Once upon a time", max_tokens=24, stop=stop,
+                       no_stop_trim=True)
+    assert sglang["choices"][0]["text"] == kept["choices"][0]["text"]
     too_many = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
                                                   "min_tokens": 5})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
