@@ -178,12 +178,24 @@ def _fake_prepared(ops, fmt, spec):
 
 
 _WARM = {}
+_POISONED = []  # a worker's CUDA context broken by an earlier task: later ones prove nothing
+
+
+def _compile_key(fmt, path, cfg):
+    """What decides a config's compiled kernels (the program count does not)."""
+    return (fmt, path, json.dumps({k: v for k, v in cfg.items()
+                                   if k not in ("programs", "programs_per_sm")}, sort_keys=True))
 
 
 def _warm_one(task):
     """Run one (format, path, config) on a small stand-in layer of the same divisibility class
-    (a worker process: the compiled kernels land in Triton's on-disk cache)."""
+    (a worker process: the compiled kernels land in Triton's on-disk cache). Returns
+    ``(key, None)``, ``(key, "failed: ...")``, or ``(key, "untested: ...")`` where an earlier
+    failure broke this worker's CUDA context."""
     fmt, path, cfg, topk = task
+    key = _compile_key(fmt, path, cfg)
+    if _POISONED:
+        return key, f"untested: {_POISONED[0]}"
     try:
         K, ops, tma = _modules()
         if fmt not in _WARM:
@@ -203,9 +215,15 @@ def _warm_one(task):
         else:
             tma.fused_moe_tma(x, ids, wts, tw, config=cfg)
         torch.cuda.synchronize()
-        return None
+        return key, None
     except Exception as exc:
-        return f"{fmt} {path} {cfg}: {type(exc).__name__}: {str(exc)[:300]}"
+        msg = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            torch.cuda.synchronize()
+            torch.zeros(1, device="cuda").sum().item()
+        except Exception:
+            _POISONED.append(msg)
+        return key, f"failed: {msg}"
 
 
 def warm_compile(shapes, tokens, formats, max_configs, workers, rows=None):
@@ -226,23 +244,22 @@ def warm_compile(shapes, tokens, formats, max_configs, workers, rows=None):
                 cfgs += [("tma", c) for c in
                          tma.config_candidates(pw, N, spec["K"])[:max_configs or None]]
                 for path, c in cfgs:
-                    key = (fmt, path, json.dumps({k: v for k, v in c.items()
-                                                  if k not in ("programs", "programs_per_sm")},
-                                                 sort_keys=True))
+                    key = _compile_key(fmt, path, c)
                     if key not in seen:
                         seen.add(key)
                         tasks.append((fmt, path, c, spec["K"]))
     tasks.sort(key=lambda t: t[0])
     t0 = time.time()
-    errors = []
+    failed = {}
     with mp.get_context("spawn").Pool(workers) as pool:
-        for err in pool.imap_unordered(_warm_one, tasks):
-            if err:
-                errors.append(err)
+        for key, status in pool.imap_unordered(_warm_one, tasks):
+            if status:
+                B.log(f"   warm-up {key[0]} {key[1]} {key[2]}: {status}")
+                if status.startswith("failed"):
+                    failed[key] = status
     B.log(f"warm-up: {len(tasks)} compiles in {time.time() - t0:.0f}s with {workers} workers, "
-          f"{len(errors)} errors")
-    for e in errors[:10]:
-        B.log("   warm error: " + e)
+          f"{len(failed)} failed (not run in this process: a CUDA fault here would end the run)")
+    return failed
 
 
 def _gemm_tflops(spec, valid_pairs, gemm, seconds):
@@ -270,15 +287,18 @@ def run_rows(args) -> int:
             return 2
         shapes = {k: v for k, v in shapes.items() if any(r.startswith(k + ":") for r in args.rows)}
         tokens = sorted({int(r.split(":")[1]) for r in args.rows})
+    args.warm_failed = {}
     if device == "cuda" and args.warm_workers > 0:
-        warm_compile(shapes, tokens, args.formats, args.max_configs, args.warm_workers,
-                     args.rows)
+        args.warm_failed = warm_compile(shapes, tokens, args.formats, args.max_configs,
+                                        args.warm_workers, args.rows)
     ceil = B.measure_ceilings(timer, device) if device == "cuda" and not args.no_ceilings else {}
     B.log(f"ceilings: {json.dumps({k: v for k, v in ceil.items() if k != 'read_detail'})}")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "ceilings": ceil, "args": vars(args)}
+            "ceilings": ceil,
+            "args": {k: v for k, v in vars(args).items() if k != "warm_failed"},
+            "warm_failed": {" ".join(k): v for k, v in args.warm_failed.items()}}
     rows = []
     gen = torch.Generator(device=device).manual_seed(1234)
     for sname, spec in shapes.items():
@@ -360,6 +380,11 @@ def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, devi
     row["tma"] = []
     for cfg in cands:
         ent = {"config": tma.describe(cfg)}
+        why = args.warm_failed.get(_compile_key(fmt, "tma", cfg))
+        if why:
+            ent["error"] = f"in the warm-up process: {why}"
+            row["tma"].append(ent)
+            continue
         try:
             twc = tw[bool(cfg.get("fused_gu", True))]
             out = tma.fused_moe_tma(x0, ids0, wts0, twc, config=cfg)
