@@ -491,7 +491,9 @@ class ChatCompletionRequest(_Request):
 _NESTED = {"stream_options": StreamOptions}
 
 
-def _known_fields(model: type[BaseModel]) -> set[str]:
+def known_fields(model: type[BaseModel]) -> set[str]:
+    """The top-level fields a request model knows: its own (by their JSON names) and the
+    unsupported ones it accepts at their "off" values; parse() refuses any other."""
     names = set()
     for name, field in model.model_fields.items():
         names.add(field.alias or name)
@@ -502,14 +504,14 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate ``body`` into ``model``; a schema error becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    known = _known_fields(model)
+    known = known_fields(model)
     unknown = sorted(k for k in body if k not in known)
     if unknown:
         name = unknown[0]
         close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         elsewhere = [m.route for m in (CompletionRequest, ChatCompletionRequest)
-                     if m is not model and name in _known_fields(m)]
+                     if m is not model and name in known_fields(m)]
         if elsewhere and not close:
             hint = f" (a field of {elsewhere[0]}, not of {model.route})"
         others = f" (and {len(unknown) - 1} more unknown)" if len(unknown) > 1 else ""

@@ -9,6 +9,12 @@ from pathlib import Path
 from moe_runtime.serve.app import _ROUTES
 from moe_runtime.serve.command import add_serve_arguments
 from moe_runtime.serve.metrics import ServerMetrics
+from moe_runtime.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    known_fields,
+)
 
 DOCS = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
 
@@ -35,3 +41,13 @@ def test_every_metric_series_is_documented():
     for name in names:
         shown = (name, name + "_total", name + "_info")  # how the text format writes each kind
         assert any(f"`{n}`" in DOCS or f"`{n}{{" in DOCS for n in shown), name
+
+
+def test_every_request_field_is_documented():
+    """Each field a route knows (implemented, a no-op, or refused unless off) is in the docs'
+    Request fields: a field added to the models without a word there fails here."""
+    names = (known_fields(CompletionRequest) | known_fields(ChatCompletionRequest)
+             | set(StreamOptions.model_fields))
+    assert len(names) > 80
+    fields = DOCS[DOCS.index("### Request fields"):DOCS.index("## Metrics")]
+    assert not sorted(n for n in names if f"`{n}" not in fields)
