@@ -12,7 +12,7 @@ rows only) against the measured matmul rate. Rows are skipped once ``--time-budg
 
 Writes ``OUT/bench_tma.json`` and ``OUT/bench_tma.md``.
 
-    python benchmarks/bench_tma.py --time-budget 330 --out $OUT        # H200, <= 6 minutes
+    python benchmarks/bench_tma.py --time-budget 300 --out $OUT        # H200, <= 6 minutes
     python benchmarks/bench_tma.py --dry-run                            # the plan, no device work
     TRITON_INTERPRET=1 python benchmarks/bench_tma.py --smoke --out /tmp/tma   # CPU, interpreter
     python benchmarks/bench_tma.py --compile-check                      # sm_90 compile, no GPU
@@ -558,7 +558,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="*", type=int)
     ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--time-budget", type=float, default=330.0,
+    ap.add_argument("--time-budget", type=float, default=300.0,
                     help="seconds; rows past it are skipped (weights and compiles included)")
     ap.add_argument("--rows", nargs="*",
                     help="only these SHAPE:TOKENS:FORMAT rows (e.g. deepseek-v3:4096:bf16)")
