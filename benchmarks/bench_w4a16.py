@@ -87,6 +87,10 @@ VARIANTS = {
     "r64k256i_d64 sync s3 x16 splitk": ("r64k256i_d64", {"mma_sync": True, "num_stages": 3,
                                                         "x_f16": True, "fused": False,
                                                         "pairs": True, "split_k": 0}),
+    # and the combine folded into GEMM 2 (no finalize launch)
+    "r64k256i_d64 sync s3 x16 splitk fold": ("r64k256i_d64", {
+        "mma_sync": True, "num_stages": 3, "x_f16": True, "fused": False, "pairs": True,
+        "split_k": 0, "fold": True}),
 }
 DRY_VARIANTS = {"r32k64 sync": ("r32k64", {"mma_sync": True}),
                 "r32k64 wgmma": ("r32k64", {"mma_sync": False}),
@@ -94,7 +98,10 @@ DRY_VARIANTS = {"r32k64 sync": ("r32k64", {"mma_sync": True}),
                 "r32k64 sync pairs": ("r32k64", {"mma_sync": True, "fused": False,
                                                  "pairs": True}),
                 "r32k64 sync splitk": ("r32k64", {"mma_sync": True, "fused": False,
-                                                  "pairs": True, "split_k": 2})}
+                                                  "pairs": True, "split_k": 2}),
+                "r32k64 sync splitk fold": ("r32k64", {"mma_sync": True, "fused": False,
+                                                       "pairs": True, "split_k": 2,
+                                                       "fold": True})}
 STAGE_REPEATS = 10  # launches of one stage per captured graph (per-stage times)
 
 
@@ -293,7 +300,19 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
                      "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols, "IP": ni * lo.inter_cols,
                      "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
                      "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+            if over.get("fold"):
+                fd = sass_inspect.compile_jit(W.w4a16_pairs_down_kernel, {
+                    "inter_ptr": "*fp16", "ids_ptr": "*i32", "w_ptr": "*u8", "s2_ptr": "*fp32",
+                    "topk_w_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
+                    "out_ptr": "*bf16", "P": "i32", "E": "i32", "H": "i32", "stride_im": "i32",
+                    "stride_om": "i32"},
+                    {"TOPK": K, "NH": nh, "NK": ni, "ROWS": lo.down_rows, "COLS": lo.down_cols,
+                     "HP": nh * lo.down_rows, "USE_ASM": asm2, "KU": ku, "MMA_SYNC": sync},
+                    warps, stages, arch, ("H",))
         ent = {}
+        if over.get("fold"):
+            ent["gemm2 fold"] = sass_inspect.analyse(fd, warps, lo.down_rows * lo.down_cols * ku,
+                                                     lo.down_rows * lo.down_cols * ku * 0.5625)
         if "split_k" in over:
             ent["gemm1 split-K"] = sass_inspect.analyse(sk, warps, per_step, per_step * 0.5625)
         for kname, k, wts in (("gemm1", g1, per_step),
@@ -381,7 +400,8 @@ def grid_report(spec, tokens, variants, layouts=LAYOUTS, sms=132):
                 nk1 = -(-H // lo.gate_up_cols)
                 want = over["split_k"] or round(6 * sms / max(1, P * ni))
                 sk = -(-nk1 // -(-nk1 // max(1, min(nk1, want))))
-                progs = {"gemm1 split-K": P * ni * sk, "gemm2": P * nh}
+                progs = {"gemm1 split-K": P * ni * sk,
+                         "gemm2 fold" if over.get("fold") else "gemm2": P * nh}
             elif vcfg.get("pairs"):
                 progs = {"gemm1": P * ni, "gemm2": P * nh}
             else:

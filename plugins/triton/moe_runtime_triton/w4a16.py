@@ -96,6 +96,8 @@ class W4A16Weights:
     # int32 [FUSED_MAX_PAIRS * intermediate tiles]
     ws: torch.Tensor
     ws_count: torch.Tensor
+    # the folded combine's arrivals: int32 [FUSED_MAX_TOKENS * hidden tiles] (it adds into acc)
+    out_count: torch.Tensor
     num_experts: int
     hidden_size: int
     intermediate_size: int
@@ -192,6 +194,8 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
         ws=torch.zeros((FUSED_MAX_PAIRS, 2, Ip), dtype=torch.float32, device=dev),
         ws_count=torch.zeros(FUSED_MAX_PAIRS * (Ip // lo.inter_cols), dtype=torch.int32,
                              device=dev),
+        out_count=torch.zeros(FUSED_MAX_TOKENS * (Hp2 // lo.down_rows), dtype=torch.int32,
+                              device=dev),
         num_experts=E, hidden_size=H, intermediate_size=I,
     )
 
@@ -429,6 +433,52 @@ def w4a16_gemm2_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[None, :] & (offs_n[:, None] < H))
 
 
+@triton.jit(do_not_specialize=["P", "E"])
+def w4a16_pairs_down_kernel(
+    inter_ptr, ids_ptr, w_ptr, s2_ptr, topk_w_ptr, acc_ptr, count_ptr, out_ptr,
+    P, E, H, stride_im, stride_om,
+    TOPK: tl.constexpr, NH: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
+    COLS: tl.constexpr, HP: tl.constexpr, USE_ASM: tl.constexpr, KU: tl.constexpr = 1,
+    MMA_SYNC: tl.constexpr = False,
+):
+    """GEMM 2 of the pairs mode with the combine folded in: program ``(pair, hb)`` adds
+    ``rw * (down[e, hb rows] . h)`` (row 0 of the pair's block of ``inter``) into ``acc [t]``
+    (float32); the last of the token's ``TOPK`` programs of tile ``hb`` (``count``) writes
+    ``out[t]``'s rows and clears both (no finalize launch; the sum's order varies)."""
+    pair = tl.program_id(0)
+    hb = tl.program_id(1)
+    t = pair // TOPK
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    ok = (e >= 0) & (e < E)
+    offs_n = hb * ROWS + tl.arange(0, ROWS)
+    a_ptrs = acc_ptr + t * HP + offs_n
+    if ok:
+        col = tl.arange(0, 16)
+        offs_k = tl.arange(0, COLS)
+        ht_ptrs = (inter_ptr + (pair * 16 + col).to(tl.int64)[None, :] * stride_im
+                   + offs_k[:, None])
+        CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
+        off = (e.to(tl.int64) * NH + hb) * (NK * CHUNK)
+        acc = tl.zeros((ROWS, 16), dtype=tl.float32)
+        for kb in range(0, NK // KU):
+            for u in tl.static_range(KU):
+                ht = tl.load(ht_ptrs + u * COLS)
+                w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM)
+                acc = tl.dot(w, ht, acc)
+            ht_ptrs += KU * COLS
+        coef = tl.load(topk_w_ptr + pair).to(tl.float32) * tl.load(s2_ptr + e) * 128.0
+        part = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1) * coef
+        tl.atomic_add(a_ptrs, part, sem="relaxed")
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + t * NH + hb, 1, sem="acq_rel")
+    if done == TOPK - 1:
+        v = tl.load(a_ptrs, cache_modifier=".cg")
+        tl.store(a_ptrs, tl.zeros([ROWS], dtype=tl.float32))
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, v.to(out_ptr.dtype.element_ty),
+                 mask=offs_n < H)
+        tl.store(count_ptr + t * NH + hb, 0)
+
+
 @triton.jit(do_not_specialize=["E"])
 def w4a16_fused_kernel(
     x_ptr, ids_ptr, topk_w_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, acc_ptr, count_ptr, out_ptr,
@@ -492,7 +542,9 @@ def default_config(ww: W4A16Weights, n_tokens: int, topk: int) -> dict:
     converted to float16 by one launch before the GEMMs (:func:`fused_moe_w4a16`); ``pairs``
     (not set here): the grouped path with one 16-row block per (token, expert) pair and no
     routing launch (GEMM 1, GEMM 2, finalize: for a few pairs); ``split_k`` (pairs only, not
-    set here): GEMM 1 split over that many K ranges (:func:`w4a16_splitk_gemm1_kernel`)."""
+    set here): GEMM 1 split over that many K ranges (:func:`w4a16_splitk_gemm1_kernel`); ``fold``
+    (pairs only, not set here): GEMM 2 adds into the output itself, no finalize launch
+    (:func:`w4a16_pairs_down_kernel`)."""
     pairs = max(1, n_tokens * topk)
     fused = pairs <= FUSED_MAX_PAIRS and n_tokens <= FUSED_MAX_TOKENS
     rows = pairs / min(ww.num_experts, pairs)
@@ -670,7 +722,10 @@ def fused_moe_w4a16(
         go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
         nmb = R // bt
     inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
-    y = torch.empty((P, H), dtype=out.dtype, device=hidden.device)
+    fold = pairs and bool(cfg.get("fold"))
+    if fold and N > ww.acc.shape[0]:
+        raise ValueError(f"the folded combine takes at most {ww.acc.shape[0]} tokens, got {N}")
+    y = None if fold else torch.empty((P, H), dtype=out.dtype, device=hidden.device)
     split = split_k(ww, P, cfg.get("split_k", 1)) if pairs else 1
     if split > 1 and P > ww.ws.shape[0]:
         raise ValueError(f"the split-K GEMM 1 takes at most {ww.ws.shape[0]} pairs, got {P}")
@@ -692,6 +747,14 @@ def fused_moe_w4a16(
                 EVEN_K=H == Hp1, USE_ASM=_use_asm(lo.gate_up_rows, lo.gate_up_cols, warps),
                 IL=lo.interleave, MMA_SYNC=sync, PAIRS=pairs,
                 **_opts(cfg)))
+        if fold:
+            go("gemm2", lambda: w4a16_pairs_down_kernel[(P, NH)](
+                inter, bexp, ww.w2, ww.w2_scale_2, topk_weights, ww.acc, ww.out_count, out,
+                P, E, H, inter.stride(0), out.stride(0),
+                TOPK=topk, NH=NH, NK=Ip // lo.down_cols, ROWS=lo.down_rows, COLS=lo.down_cols,
+                HP=Hp2, USE_ASM=_use_asm(lo.down_rows, lo.down_cols, warps),
+                KU=down_unroll(Ip // lo.down_cols, lo.down_cols), MMA_SYNC=sync, **_opts(cfg)))
+            return out
         go("gemm2", lambda: w4a16_gemm2_kernel[(nmb * NH,)](
             inter, ww.w2, ww.w2_scale_2, topk_weights, y, sorted_ids, bexp,
             P, E, H, nmb, inter.stride(0), y.stride(0),

@@ -108,17 +108,19 @@ def _run(w, ids, *, fused, seed=0, device="cpu", layout=None, dtype=torch.float1
     ids = ids.to(device=device, dtype=torch.int32)
     ww = W.prepare_w4a16(w, layout)
     cfg = W.default_config(ww, N, ids.shape[1])
-    # fused: True (one launch), False (grouped), "pairs" (grouped, a block per pair) or
-    # "splitk" (pairs, GEMM 1 split over two K ranges where it has two K tiles)
+    # fused: True (one launch), False (grouped), "pairs" (grouped, a block per pair),
+    # "splitk" (pairs, GEMM 1 split over two K ranges where it has two K tiles) or "splitk_fold"
+    # (that, and the combine folded into GEMM 2)
     cfg["fused"] = fused is True
-    cfg["pairs"] = fused in ("pairs", "splitk")
-    if fused == "splitk":
+    cfg["pairs"] = fused in ("pairs", "splitk", "splitk_fold")
+    if fused in ("splitk", "splitk_fold"):
         cfg["split_k"] = 2
+    cfg["fold"] = fused == "splitk_fold"
     out = W.fused_moe_w4a16(x, ids, wts, ww, config=cfg)
     return out, reference(x, ids, wts, w), (x, ids, wts, ww, cfg)
 
 
-@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk"])
+@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk", "splitk_fold"])
 def test_one_token(fused, device):
     w = make_weights(4, 64, 32, seed=1, device=device)
     out, ref, _ = _run(w, torch.tensor([[3, 0]]), fused=fused, device=device)
@@ -126,7 +128,7 @@ def test_one_token(fused, device):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk"])
+@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk", "splitk_fold"])
 def test_minus_one_ids_and_repeated_calls(fused, device):
     """Skipped slots contribute nothing (a token without experts gets zeros), and a second call
     with other inputs is not disturbed by the first (the fused path's workspace clears itself)."""
@@ -140,8 +142,10 @@ def test_minus_one_ids_and_repeated_calls(fused, device):
     assert rel_err(out2, reference(x2, ids_d, wts, w)) < TOL
     if fused is True:
         assert torch.all(ww.acc == 0) and torch.all(ww.count == 0)
-    if fused == "splitk":
+    if fused in ("splitk", "splitk_fold"):
         assert torch.all(ww.ws == 0) and torch.all(ww.ws_count == 0)
+    if fused == "splitk_fold":
+        assert torch.all(ww.acc == 0) and torch.all(ww.out_count == 0)
 
 
 @pytest.mark.parametrize("bt", [32, 64])
@@ -173,7 +177,7 @@ def test_grouped_random_routing_and_a_crowded_expert(device):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk"])
+@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk", "splitk_fold"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_padded_sizes_and_gelu(fused, interleave, device):
     """H = 80 and I = 48 are not multiples of the tiles (padding with zero codes and scales);
@@ -185,7 +189,7 @@ def test_padded_sizes_and_gelu(fused, interleave, device):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk"])
+@pytest.mark.parametrize("fused", [True, False, "pairs", "splitk", "splitk_fold"])
 def test_several_intermediate_tiles(fused, device):
     """I = 64 in 32-column tiles: fused, two programs per pair add into one token row; grouped,
     GEMM 2 runs both K tiles in one unrolled iteration."""
@@ -255,10 +259,10 @@ def test_benchmark_dry_run(tmp_path):
     assert [r["tokens"] for r in rows] == [1, 16]
     names = {"today", "w4a16 r32k64 sync", "w4a16 r32k64 wgmma", "w4a16 r32k64 sync fused"}
     # a block per pair only for a few pairs (2 here; 32 at 16 tokens)
-    few = {"w4a16 r32k64 sync pairs", "w4a16 r32k64 sync splitk"}
+    few = {"w4a16 r32k64 sync pairs", "w4a16 r32k64 sync splitk", "w4a16 r32k64 sync splitk fold"}
     assert set(rows[0]["impls"]) == names | few
     assert set(rows[1]["impls"]) == names
-    assert [rows[0]["impls"][k]["launches"] for k in sorted(few)] == [3, 3]
+    assert [rows[0]["impls"][k]["launches"] for k in sorted(few)] == [3, 3, 2]
     for r in rows:
         assert all(v["ok"] and v["rel_err"] < bench.TOL for v in r["impls"].values())
     # 16 tokens x 2 = 32 pairs: the grouped path by default, the one-launch path where asked
@@ -273,6 +277,7 @@ GPU_MODES = {  # config overrides of the GPU check: the default, the wgmma contr
     "default": {}, "wgmma": {"mma_sync": False},
     "pairs_x16": {"fused": False, "pairs": True, "x_f16": True},
     "splitk_x16": {"fused": False, "pairs": True, "split_k": 0, "x_f16": True},
+    "splitk_fold_x16": {"fused": False, "pairs": True, "split_k": 0, "x_f16": True, "fold": True},
 }
 
 
@@ -285,7 +290,7 @@ def test_gpu_bf16_graph_replay_matches_reference_and_today(N, mode):
     with ``pairs_x16``."""
     dev = "cuda"
     E, H, I, topk = 16, 512, 256, 4
-    few = mode in ("pairs_x16", "splitk_x16")
+    few = mode in ("pairs_x16", "splitk_x16", "splitk_fold_x16")
     if few and N * topk > W.FUSED_MAX_PAIRS:
         pytest.skip("a block per pair: a few pairs only")
     w = make_weights(E, H, I, seed=11, device=dev)
