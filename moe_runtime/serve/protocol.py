@@ -209,7 +209,8 @@ class _Request(BaseModel):
     cache_salt: str | None = None  # vLLM's: keys its prefix cache, which this server lacks
     parallel_tool_calls: bool | None = None  # no tools here, so nothing to call in parallel
     prediction: dict[str, Any] | None = None  # predicted outputs only speed a response up
-    request_id: str | None = Field(default=None, max_length=128)  # vLLM's: the response's id
+    # vLLM's: the response's id (it reaches the access log: the x-request-id header's characters)
+    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:/+=@-]{1,128}$")
     prompt_cache_retention: str | None = None
     # no reasoning parser here: the reasoning stays in the content, whatever these say
     include_reasoning: bool | None = None  # vLLM's

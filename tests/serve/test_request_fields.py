@@ -124,6 +124,8 @@ def test_request_id_names_the_response(http):
                                              max_tokens=6, ignore_eos=True), range(4)))
     assert [r.json()["id"] for r in same] == ["cmpl-abc-1"] * 4
     assert {r.json()["choices"][0]["text"] for r in same} == {same[0].json()["choices"][0]["text"]}
+    err = _error(_post(http, "/v1/completions", request_id="two\nlines"))
+    assert err["param"] == "request_id"
 
 
 def test_chat_template_controls(http):
