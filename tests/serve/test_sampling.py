@@ -271,6 +271,8 @@ def test_the_api_never_asks_for_more_alternatives_than_the_sampler_records():
     from moe_runtime.serve import protocol, sampling
 
     assert protocol.MAX_LOGPROBS <= sampling.MAX_LOGPROBS
+    # and no more stop tokens than the engine's sampler masks for min_tokens
+    assert protocol.MAX_STOP_TOKEN_IDS <= sampling.MAX_STOP_TOKEN_IDS
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
