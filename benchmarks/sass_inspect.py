@@ -7,6 +7,13 @@ the innermost loop by opcode, the instructions per weight element of that loop, 
 TTGIR moves data through shared memory for layout conversions (``convert_layout`` /
 ``local_alloc`` of computed values).
 
+:func:`analyse` adds what bounds a weight-streaming GEMM: the MMA kind (wgmma or mma.sync), values
+written to shared memory and read back inside the loop, the software pipeline's depth, registers
+and spills, CTAs per SM and weight bytes in flight per SM (``bench_w4a16.py --sass`` runs it over
+every variant and row). The GPU image's Triton (3.6) can be used here without installing it over
+the local one: ``pip install --no-deps --target DIR triton==3.6.0`` and ``PYTHONPATH=DIR``; its
+counts matched the H200 run's (4.12 / 3.39 / 5.66 SASS per weight, 55 / 154 registers).
+
 Usage (any machine; the Triton version decides the code, so use the GPU image's Triton to match)::
 
     python benchmarks/sass_inspect.py --kernel gemm2 --wfmt 2 --block-m 16 --block-n 128 \
@@ -289,8 +296,7 @@ def main(argv=None) -> int:
     per_iter_weights = args.block_n * args.block_k * {"gemm1": 2, "decode1": 2, "decode2": 8}.get(
         args.kernel, 1)
     print(f"{args.kernel} wfmt={args.wfmt} M{args.block_m} N{args.block_n} K{args.block_k} "
-          f"w{args.warps} s{args.stages} sm_{args.arch}: shared {k.metadata.shared} B, "
-          f"regs {getattr(k, 'n_regs', '?')}")
+          f"w{args.warps} s{args.stages} sm_{args.arch}: shared {k.metadata.shared} B")
     threads = 32 * args.warps
     print(f"  main loop: {len(loop)} SASS instructions per thread per iteration, "
           f"{len(loop) * threads / per_iter_weights:.2f} thread-instructions per weight")
@@ -299,6 +305,9 @@ def main(argv=None) -> int:
     allocs = len(re.findall(r"ttg\.local_alloc", ttgir))
     print(f"  ttgir: {conv} convert_layout, {allocs} local_alloc, "
           f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}")
+    facts = analyse(k, args.warps, per_iter_weights, per_iter_weights * 0.5625)
+    facts.pop("loop_ops")
+    print("  " + ", ".join(f"{n}={v}" for n, v in facts.items()))
     return 0
 
 
