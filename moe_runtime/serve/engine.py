@@ -176,7 +176,6 @@ class Engine:
         # requests waiting for a sampler row (every one may be taken): woken as rows come back
         self._room_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._room_lock = threading.Lock()
-        self.waiting_for_rows = 0
         self.sampler.on_room = self._wake_room
         self.debug = debug
         self._manager = None
@@ -469,24 +468,21 @@ class Engine:
 
     async def _open_slot(self, sampling: SamplingParams, prompt_ids: Sequence[int]) -> int:
         """The request's sampler key, waiting while ``max_slots`` requests may hold rows."""
+        slot = self.sampler.open(sampling, prompt_ids)
         loop = asyncio.get_running_loop()
-        while True:
+        while slot is None:
             waiter = (loop, loop.create_future())
-            with self._room_lock:  # registered before trying: a release in between wakes it
+            with self._room_lock:  # registered before trying again: a release in between wakes it
                 self._room_waiters.append(waiter)
             try:
                 slot = self.sampler.open(sampling, prompt_ids)
-                if slot is not None:
-                    return slot
-                self.waiting_for_rows += 1
-                try:
+                if slot is None:
                     await waiter[1]
-                finally:
-                    self.waiting_for_rows -= 1
             finally:
                 with self._room_lock:
                     with contextlib.suppress(ValueError):
                         self._room_waiters.remove(waiter)
+        return slot
 
     def _wake_room(self) -> None:
         """A sampler slot gave its room back (on any thread): every waiter tries again."""
