@@ -300,7 +300,8 @@ class _Server:
         choices = []
         for job, (text, last) in zip(jobs, results, strict=True):
             self._account(route, request, job, last, started=started)
-            choice = {"index": job.index, "finish_reason": last.finish_reason, "logprobs": None}
+            choice = {"index": job.index, "finish_reason": last.finish_reason, "logprobs": None,
+                      "stop_reason": last.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -395,8 +396,9 @@ class _Server:
             return f"data: {json.dumps(body)}\n\n"
 
         def choice(job: _Job, text: str | None, finish: str | None, first: bool = False,
-                   token_ids=None, logprobs=None) -> dict:
-            c = {"index": job.index, "finish_reason": finish, "logprobs": logprobs}
+                   token_ids=None, logprobs=None, stop_reason=None) -> dict:
+            c = {"index": job.index, "finish_reason": finish, "logprobs": logprobs,
+                 "stop_reason": stop_reason}
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {}
                 if text:
@@ -441,7 +443,7 @@ class _Server:
                     if delta.finish_reason is not None:
                         done.add(index)
                     yield chunk([choice(job, delta.text, delta.finish_reason, token_ids=new_ids,
-                                        logprobs=logprobs)])
+                                        logprobs=logprobs, stop_reason=delta.stop_reason)])
                     if await request.is_disconnected():
                         reason = "abort"
                         return

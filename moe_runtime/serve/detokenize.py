@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of self._text already returned
         self._searched = 0  # characters of self._text already searched for stop strings
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once stopped
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special,
@@ -77,8 +78,9 @@ class IncrementalDetokenizer:
             hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 cut = min(hits)
+                self.stop_string = next(s for s in self._stop if text.startswith(s, cut))
                 if self._include_stop:
-                    cut += len(next(s for s in self._stop if text.startswith(s, cut)))
+                    cut += len(self.stop_string)
                 self.stopped = True
                 self._text = text[:cut]
                 out = self._text[self._emitted:]

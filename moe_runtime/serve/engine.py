@@ -81,6 +81,9 @@ class Delta:
     finish_reason: str | None = None
     first_token_s: float | None = None  # seconds from submission to the first token, once known
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when asked for
+    # vLLM's stop_reason, on the last delta: the stop string or stop token id that ended the
+    # request (None: EOS, max_tokens, or not ended)
+    stop_reason: int | str | None = None
 
 
 def context_length_of(loaded: LoadedModel, max_model_len: int | None = None) -> int:
@@ -446,13 +449,16 @@ class Engine:
                 text = detok.step(list(tokens), check_stops=searched)
                 if detok.stopped:
                     finished = out.is_finished()
-                    yield Delta(text, tokens, "stop", first_token_s, logprobs)
+                    yield Delta(text, tokens, "stop", first_token_s, logprobs,
+                                detok.stop_string)
                     return
                 if out.is_finished():
                     finished = True
                     text += detok.finish(check_stops=searched)
                     reason = "stop" if tokens and tokens[-1] in stops else "length"
-                    yield Delta(text, tokens, reason, first_token_s, logprobs)
+                    by = tokens[-1] if reason == "stop" and tokens[-1] in stop_token_ids and (
+                        ignore_eos or tokens[-1] not in self.eos_token_ids) else None
+                    yield Delta(text, tokens, reason, first_token_s, logprobs, by)
                     return
                 if text:
                     yield Delta(text, tokens, None, first_token_s, logprobs)

@@ -75,11 +75,14 @@ def eos_server(request, tmp_path_factory, model_dir, greedy, eos_at, server_fact
 
 def test_eos_stops_and_ignore_eos_runs_to_max_tokens(eos_server, greedy, eos_at):
     proc, http = eos_server
-    assert _ids(_generate(http, proc.model)) == (greedy[:eos_at + 1], "stop")
+    eos = _generate(http, proc.model)
+    assert _ids(eos) == (greedy[:eos_at + 1], "stop")
+    assert eos["choices"][0]["stop_reason"] is None  # vLLM's: no stop_reason for an EOS
     assert _ids(_generate(http, proc.model, ignore_eos=True)) == (greedy, "length")
     # the EOS made a stop token again by the request: ignore_eos drops only the model's EOS
     out = _generate(http, proc.model, ignore_eos=True, stop_token_ids=[greedy[eos_at]])
     assert _ids(out) == (greedy[:eos_at + 1], "stop")
+    assert out["choices"][0]["stop_reason"] == greedy[eos_at]
 
 
 def test_min_tokens_holds_the_eos_off(eos_server, greedy, eos_at):
@@ -118,6 +121,7 @@ def test_the_controls_hold_in_one_batch_and_streamed(eos_server, greedy, eos_at)
 def test_stop_token_ids_end_the_request_on_the_default_server(http, server, greedy, eos_at):
     out = _generate(http, server.model, stop_token_ids=[greedy[eos_at]])
     assert _ids(out) == (greedy[:eos_at + 1], "stop")
+    assert out["choices"][0]["stop_reason"] == greedy[eos_at]  # vLLM's: the stop token id
     vocab = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
                                                "stop_token_ids": [10**7]})
     assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "stop_token_ids"
@@ -134,6 +138,8 @@ def test_min_tokens_holds_stop_strings_off_and_must_fit(http, server):
     cut = _generate(http, server.model, prompt="Once upon a time", max_tokens=24, stop=stop)
     cut_ids, reason = _ids(cut)
     assert reason == "stop" and stop not in cut["choices"][0]["text"]
+    assert cut["choices"][0]["stop_reason"] == stop
+    assert plain["choices"][0]["stop_reason"] is None
     held = _generate(http, server.model, prompt="Once upon a time", max_tokens=24, stop=stop,
                      min_tokens=len(cut_ids) + 4)
     assert len(held["choices"][0]["token_ids"]) >= len(cut_ids) + 4
