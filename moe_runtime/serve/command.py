@@ -165,9 +165,15 @@ def _resolve_device(name: str) -> str:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A bound, listening socket (bound here so --port 0 can be reported and errors are clear)."""
+    """A bound, listening socket (bound here so --port 0 can be reported and errors are clear).
+
+    Made with ``IPPROTO_TCP`` named: accepted connections inherit the listener's protocol number,
+    and asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only on sockets whose protocol is
+    ``IPPROTO_TCP``. With the default 0, a kept-alive connection's small stream chunks waited for
+    the client's delayed ACKs: every request after a connection's first arrived about 40 ms late,
+    its streamed tokens all at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
