@@ -60,15 +60,21 @@ class BatchingChoice:
 
 @attrs.frozen
 class GraphChoice:
-    """Whether the decode steps replay CUDA graphs, and why.
+    """Whether the decode steps (and, opted in, the prefill steps) replay CUDA graphs, and why.
 
-    :param max_tokens: the largest forward a graph captures (decode: one token per request,
+    :param max_tokens: the largest decode forward a graph captures (one token per request,
         padded; at most this).
+    :param prefill: whether steps carrying prefill tokens replay graphs too
+        (``MOE_RUNTIME_GRAPH_PREFILL=1`` or the engine's ``graph_prefill=True``).
+    :param max_graphs: the most varlen graphs prefill graphing may capture (see
+        :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`), when ``prefill``.
     """
 
     on: bool
     reason: str
     max_tokens: int | None = None
+    prefill: bool = False
+    max_graphs: int | None = None
 
     def describe(self) -> str:
         return f"CUDA graphs {'on' if self.on else 'off'}: {self.reason}"
@@ -100,9 +106,13 @@ def plan_token_bound(plan: Any) -> tuple[int | None, str]:
 
 
 def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
-                       requested: bool | None = None) -> GraphChoice:
+                       requested: bool | None = None, prefill: dict | None = None) -> GraphChoice:
     """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
-    is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures."""
+    is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures.
+
+    ``prefill`` (a :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`, given when prefill
+    graphing is asked for) makes steps with prefill tokens replay graphs too, within its bound.
+    """
     import torch
 
     kind = torch.device(device).type
@@ -113,10 +123,19 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                                   "graph can replay a decode step")
     if requested is False:
         return GraphChoice(False, "turned off by the engine's cuda_graphs=False")
-    return GraphChoice(True, f"decode batches replayed from graphs captured per padded size "
-                             f"(powers of two on flash attention's decode path, else multiples "
-                             f"of 8), at most {max_tokens} tokens ({bound_from}); prefill eager",
-                       max_tokens)
+    decode = (f"decode batches replayed from graphs captured per padded size (powers of two on "
+              f"flash attention's decode path, else multiples of 8), at most {max_tokens} tokens "
+              f"({bound_from})")
+    if not prefill:
+        return GraphChoice(True, f"{decode}; prefill eager (MOE_RUNTIME_GRAPH_PREFILL=1 graphs "
+                                 f"it)", max_tokens)
+    q, kv, keys = prefill["query"], prefill["kv"], prefill["seqlen_k"]
+    return GraphChoice(True, f"{decode}; prefill and mixed steps graphed too "
+                             f"(MOE_RUNTIME_GRAPH_PREFILL=1): query tokens padded to multiples of "
+                             f"8 up to {max_tokens}, then powers of two up to {q[-1]}, at most "
+                             f"{prefill['graphs']} varlen graphs ({len(q)} query x {len(kv)} KV-read "
+                             f"x {len(keys)} key-length sizes)",
+                       max_tokens, prefill=True, max_graphs=prefill["graphs"])
 
 
 def choose_batching(config: Any, requested: str = "auto") -> BatchingChoice:

@@ -39,7 +39,15 @@ from moe_runtime.serve.batching import (
     plan_token_bound,
 )
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
-from moe_runtime.serve.graph_shapes import bucket_kv_reads, prefer_replanning_free_attention
+from moe_runtime.serve.graph_shapes import (
+    PREFILL_ENV,
+    bucket_kv_reads,
+    bucket_prefill_queries,
+    graph_this_step,
+    prefer_replanning_free_attention,
+    prefill_graph_bound,
+    prefill_graphs_requested,
+)
 from moe_runtime.serve.loading import LoadedModel
 from moe_runtime.serve.sampling import (
     GREEDY,
@@ -114,6 +122,10 @@ class Engine:
     :param cuda_graphs: ``None`` (default): continuous batching replays CUDA graphs for decode
         on a CUDA device; ``False`` turns them off. The choice and its reason are in
         ``engine.batching.describe()`` and the start-up log.
+    :param graph_prefill: with CUDA graphs on, let steps carrying prefill tokens replay graphs
+        too, their query tokens padded to geometric buckets
+        (:func:`~moe_runtime.serve.graph_shapes.query_bucket`); ``None`` (default) reads
+        ``MOE_RUNTIME_GRAPH_PREFILL`` (``1`` on; off when unset). Off, prefill steps run eagerly.
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
@@ -127,7 +139,8 @@ class Engine:
                  batching: str = "auto", debug: bool = False,
                  kv_cache_tokens: int | None = None, seed: int | None = None,
                  cuda_graphs: bool | None = None,
-                 max_tokens_per_forward: int | None = None) -> None:
+                 max_tokens_per_forward: int | None = None,
+                 graph_prefill: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -168,9 +181,18 @@ class Engine:
                         bound_from)
         device = next(loaded.model.parameters()).device
         batching_choice = choose_batching(config, batching)
-        graphs = choose_cuda_graphs(device, batching_choice.path, self.batch_cap,
-                                    bound_from if bound and bound < max_batch_size
-                                    else "max_batch_size", cuda_graphs)
+        self.num_blocks = max(math.ceil(self.context_length / self.block_size),
+                              math.ceil(self.kv_cache_tokens / self.block_size))
+        prefill = None
+        if prefill_graphs_requested(graph_prefill):
+            prefill = prefill_graph_bound(self.max_batch_tokens, self.batch_cap,
+                                          self.num_blocks * self.block_size, self.context_length)
+        # what the graph choice is made from, kept to describe it again should prefill graphing
+        # fall back to eager at start-up
+        self._graph_args = (device, batching_choice.path, self.batch_cap,
+                            bound_from if bound and bound < max_batch_size else "max_batch_size",
+                            cuda_graphs)
+        graphs = choose_cuda_graphs(*self._graph_args, prefill=prefill)
         self.batching = attrs.evolve(batching_choice, graphs=graphs)
         self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
                                     max_batch=self.batch_cap,
@@ -224,10 +246,9 @@ class Engine:
         # Greedy and processor-free: the BatchSampler does every request's sampling.
         gen = GenerationConfig(do_sample=False, eos_token_id=self.eos_token_ids or -1,
                                pad_token_id=self._pad_id(), max_new_tokens=self.context_length)
-        blocks_per_seq = math.ceil(self.context_length / self.block_size)
         cb = ContinuousBatchingConfig(
             block_size=self.block_size,
-            num_blocks=max(blocks_per_seq, math.ceil(self.kv_cache_tokens / self.block_size)),
+            num_blocks=self.num_blocks,
             max_batch_tokens=self.max_batch_tokens,
             max_requests_per_batch=self.batch_cap,
             allow_block_sharing=False,
@@ -257,13 +278,32 @@ class Engine:
         router.deliver_batch = deliver_after_collect
         if self.batching.graphs.on:
             # transformers 5.14-5.17 build the batch processor on the batching thread unless it
-            # exists; made here, its runner replays graphs for decode batches only
-            manager.batch_processor = manager._create_batch_processor()
-            _graphs_for_decode_only(manager.batch_processor)
-            bucket_kv_reads(manager.batch_processor)  # not the whole cache each step
+            # exists; made here, its runner replays graphs for decode batches (and, opted in,
+            # for prefill and mixed ones)
+            manager.batch_processor = processor = manager._create_batch_processor()
+            policy = _GraphPolicy.install(processor, prefill=self.batching.graphs.prefill)
+            # without the policy transformers graphs every step: its queries are bucketed too
+            if (policy is None or policy.prefill) and not bucket_prefill_queries(
+                    processor, cap=self.max_batch_tokens, dense_up_to=self.batch_cap,
+                    step=DECODE_PADDING):
+                if policy is not None:  # transformers' padding would make a graph per 8 tokens
+                    policy.prefill = False
+            bucket_kv_reads(processor)  # not the whole cache each step
             start = time.perf_counter()
-            manager.warmup()  # captures the decode sizes of flash attention's decode path
+            # captures the decode sizes of flash attention's decode path, and (prefill graphed)
+            # the largest varlen step first, so the graph pool is sized once
+            manager.warmup()
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
+            if policy is not None and policy.capture_failures and policy.prefill:
+                # transformers' warm-up logs and swallows a failed capture; the served steps
+                # would raise on it, so prefill steps go back to eager
+                policy.prefill = False
+                log.warning("CUDA graphs: capturing a prefill step failed at warm-up (%s); "
+                            "prefill steps run eagerly", policy.capture_failures[0])
+            if self.batching.graphs.prefill and (policy is None or not policy.prefill):
+                self.batching = attrs.evolve(self.batching,
+                                             graphs=choose_cuda_graphs(*self._graph_args))
+                log.info("batching: %s", self.batching.describe())
         manager.start()
         return manager
 
@@ -567,22 +607,59 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _graphs_for_decode_only(processor) -> None:
-    """Replay CUDA graphs only for batches of one query token per request (decode steps).
+class _GraphPolicy:
+    """Which steps of transformers' runner replay CUDA graphs: decode steps (one query token per
+    request) always; steps carrying prefill tokens only while ``prefill`` is set.
 
     Without flash attention's decode path, transformers runs decode steps on its varlen path and
     would capture a graph for every padded prefill shape too: each one a capture stall on first
-    use and graph-pool memory. Prefill chunks run eagerly instead.
+    use and graph-pool memory. With ``prefill`` off (the default) prefill chunks run eagerly;
+    on (``MOE_RUNTIME_GRAPH_PREFILL=1``), their query tokens are padded to geometric buckets
+    (:func:`~moe_runtime.serve.graph_shapes.bucket_prefill_queries`) so the graphs stay few.
     """
-    runner, io = processor.model_runner, processor.inputs_and_outputs
-    choose = runner._get_forward_fn
 
-    def get_forward_fn(use_block_table):
-        forward, graphed = choose(use_block_table)
-        decode = use_block_table or io.total_seqlen_q == io.num_request_in_batch
-        return forward, graphed and decode
+    def __init__(self, runner, io, prefill: bool) -> None:
+        self.prefill = prefill
+        self.capture_failures: list[str] = []
+        self._io = io
+        choose = runner._get_forward_fn
 
-    runner._get_forward_fn = get_forward_fn
+        def get_forward_fn(use_block_table):
+            forward, graphed = choose(use_block_table)
+            return forward, graph_this_step(graphed, self.decode_only(use_block_table),
+                                            self.prefill)
+
+        runner._get_forward_fn = get_forward_fn
+        capture = getattr(runner, "_capture_graph", None)
+        if prefill and callable(capture):
+            def capture_graph(*args, **kwargs):
+                try:
+                    return capture(*args, **kwargs)
+                except Exception as exc:
+                    if not self.decode_only(getattr(io, "use_block_table", False)):
+                        self.capture_failures.append(f"{type(exc).__name__}: {exc}")
+                    raise
+
+            runner._capture_graph = capture_graph
+
+    def decode_only(self, use_block_table: bool) -> bool:
+        io = self._io
+        return bool(use_block_table) or io.total_seqlen_q == io.num_request_in_batch
+
+    @classmethod
+    def install(cls, processor, prefill: bool) -> _GraphPolicy | None:
+        """Wrap ``processor``'s runner; None (graphs as transformers chooses them, prefill
+        included) where this transformers lacks what the policy reads."""
+        runner = getattr(processor, "model_runner", None)
+        io = getattr(processor, "inputs_and_outputs", None)
+        missing = [name for owner, name in ((runner, "_get_forward_fn"),
+                                            (io, "total_seqlen_q"), (io, "num_request_in_batch"))
+                   if not hasattr(owner, name)]
+        if missing:
+            log.warning("CUDA graphs: this transformers' batch processor has no %s; its runner "
+                        "graphs steps as it chooses (%s ignored)", ", ".join(missing), PREFILL_ENV)
+            return None
+        return cls(runner, io, prefill)
 
 
 def _fatal_error(manager):

@@ -16,6 +16,13 @@ RESULTS.md "Serving"), two things made a served decode step several times slower
   :func:`prefer_replanning_free_attention` turns PyTorch's cuDNN SDPA backend off for the served
   process (the memory-efficient kernel takes the same masks), unless
   ``MOE_RUNTIME_CUDNN_SDPA=1``.
+
+Steps that carry prefill tokens run eagerly by default (150+ ms of host time a step at 48
+layers, against ~16 GPU ms for a graphed decode step). With ``MOE_RUNTIME_GRAPH_PREFILL=1`` (or
+the engine's ``graph_prefill=True``) they replay graphs too: :func:`bucket_prefill_queries` pads
+their query tokens to :func:`query_bucket` (multiples of 8 up to the decode batch, as decode
+steps are padded today, then powers of two up to the prefill chunk), so the graphs stay within
+:func:`prefill_graph_bound`: query sizes x KV-read sizes x key-length sizes.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ from typing import Any
 log = logging.getLogger("moe_runtime.serve.graph_shapes")
 
 KV_FLOOR = 256  # the smallest KV read a varlen step is padded to (tokens)
+Q_STEP = 8  # query tokens of a varlen step are padded to a multiple of this up to the batch
+SEQLEN_K_FLOOR = 1024  # transformers pads a graphed varlen step's max key length to a power of 2
 CUDNN_ENV = "MOE_RUNTIME_CUDNN_SDPA"
+PREFILL_ENV = "MOE_RUNTIME_GRAPH_PREFILL"
 
 
 def kv_bucket(tokens: int, cap: int, floor: int = KV_FLOOR) -> int:
@@ -42,12 +52,112 @@ def kv_bucket(tokens: int, cap: int, floor: int = KV_FLOOR) -> int:
     return max(tokens, min(size, cap))
 
 
+def query_bucket(tokens: int, cap: int, dense_up_to: int, step: int = Q_STEP) -> int:
+    """The query tokens a varlen step of ``tokens`` is padded to: a multiple of ``step`` while
+    ``tokens <= dense_up_to`` (the decode batch: decode steps keep today's padding), else the next
+    power of two, at most ``cap`` (the prefill chunk) and never below ``tokens``."""
+    if tokens < 0 or cap < 1 or dense_up_to < 0 or step < 1:
+        raise ValueError(f"query_bucket({tokens}, cap={cap}, dense_up_to={dense_up_to}, "
+                         f"step={step}): tokens and dense_up_to must be >= 0, cap and step >= 1")
+    if tokens <= dense_up_to:
+        size = max(step, -(-tokens // step) * step)
+    else:
+        size = step
+        while size < tokens:
+            size *= 2
+    return max(tokens, min(size, cap))
+
+
+def query_buckets(cap: int, dense_up_to: int, step: int = Q_STEP) -> list[int]:
+    """Every size :func:`query_bucket` gives for 1 ... ``cap`` tokens, smallest first."""
+    return sorted({query_bucket(t, cap, dense_up_to, step) for t in range(1, cap + 1)})
+
+
+def kv_buckets(cap: int, floor: int = KV_FLOOR) -> list[int]:
+    """Every size :func:`kv_bucket` gives for 0 ... ``cap`` live KV tokens, smallest first."""
+    sizes = {cap}
+    size = floor
+    while size < cap:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def seqlen_k_buckets(cap: int, longest: int, floor: int = SEQLEN_K_FLOOR) -> list[int]:
+    """The max key lengths transformers (5.14) keys a graphed varlen step by, for sequences of
+    at most ``longest`` tokens: powers of two from ``floor``, capped at the cache's ``cap``."""
+    sizes = {min(floor, cap)}
+    size = floor
+    while size < longest:
+        size *= 2
+        sizes.add(min(size, cap))
+    return sorted(sizes)
+
+
+def prefill_graph_bound(max_batch_tokens: int, batch_cap: int, cache_tokens: int,
+                        context_length: int) -> dict:
+    """How many varlen graphs prefill graphing may capture at most: one per query size, KV-read
+    size and max key length a step can be padded to (transformers keys its graphs by the three,
+    the key length once per attention kind: one for full-attention-only models). Real traffic
+    reaches far fewer: the KV read and the key length grow together."""
+    q = query_buckets(max_batch_tokens, batch_cap)
+    kv = kv_buckets(cache_tokens)
+    keys = seqlen_k_buckets(cache_tokens, context_length)
+    return {"query": q, "kv": kv, "seqlen_k": keys, "graphs": len(q) * len(kv) * len(keys)}
+
+
+def prefill_graphs_requested(requested: bool | None = None) -> bool:
+    """The engine's ``graph_prefill``; ``None`` reads ``MOE_RUNTIME_GRAPH_PREFILL`` (1 on, 0 or
+    unset off)."""
+    if requested is not None:
+        return bool(requested)
+    value = os.environ.get(PREFILL_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PREFILL_ENV}={value!r}: expected 1 (graph prefill steps) or 0/unset "
+                         "(prefill steps run eagerly)")
+    return value == "1"
+
+
+def graph_this_step(graphed: bool, decode_only: bool, prefill: bool) -> bool:
+    """Whether a step replays (or captures) a graph: transformers' choice ``graphed``, for
+    decode-only steps always, for steps carrying prefill tokens only with ``prefill``."""
+    return graphed and (decode_only or prefill)
+
+
+def _padding_owner(processor: Any) -> Any:
+    return next((o for o in (getattr(processor, "model_runner", None), processor)
+                 if o is not None and callable(getattr(o, "maybe_pad_inputs", None))), None)
+
+
+def bucket_prefill_queries(processor: Any, cap: int, dense_up_to: int,
+                           step: int = Q_STEP) -> bool:
+    """Make ``processor``'s varlen steps pad their query tokens to :func:`query_bucket` (rather
+    than transformers' interval, 2048 / 8 = 256 sizes for a 2048-token chunk). Returns False
+    (and changes nothing) where this transformers has no ``maybe_pad_inputs`` to wrap."""
+    owner = _padding_owner(processor)
+    if owner is None:
+        log.info("this transformers has no maybe_pad_inputs: prefill steps stay eager")
+        return False
+    original = owner.maybe_pad_inputs
+    # never beyond the static input tensors, which transformers sizes to its cache's chunk
+    limit = min(cap, getattr(getattr(owner, "cache", None), "max_batch_tokens", cap))
+
+    def maybe_pad_inputs(num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool):
+        q, kv = original(num_q_tokens, max_kv_read, use_decode_fast_path)
+        if use_decode_fast_path or not getattr(owner, "pad_inputs", True):
+            return q, kv
+        return max(q, query_bucket(num_q_tokens, cap=limit, dense_up_to=dense_up_to,
+                                   step=step)), kv
+
+    owner.maybe_pad_inputs = maybe_pad_inputs
+    return True
+
+
 def bucket_kv_reads(processor: Any, floor: int = KV_FLOOR) -> bool:
     """Make ``processor``'s varlen steps read KV padded to :func:`kv_bucket` rather than
     transformers' interval. Returns False (and changes nothing) where this transformers has no
     ``maybe_pad_inputs`` to wrap; the original still pads queries and caps at the cache."""
-    owner = next((o for o in (getattr(processor, "model_runner", None), processor)
-                  if o is not None and callable(getattr(o, "maybe_pad_inputs", None))), None)
+    owner = _padding_owner(processor)
     if owner is None:
         log.info("this transformers has no maybe_pad_inputs: KV reads keep its padding")
         return False

@@ -160,3 +160,58 @@ def test_gpu_graph_replayed_decode_honours_stop_tokens_and_min_tokens(tmp_path):
         finally:
             engine.shutdown()
     assert got[None] == got[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
+                                                            "captured only there)")
+def test_gpu_graph_replayed_prefill_gives_the_eager_greedy_tokens(tmp_path):
+    """MOE_RUNTIME_GRAPH_PREFILL's path: prompts of mixed lengths, prefilled in graphed steps
+    (query tokens padded to buckets), give eager's greedy float32 tokens; a second identical
+    batch replays the graphs the first captured."""
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    words = "the quick brown fox jumps over a lazy dog while it rains".split()
+    tokens = {}
+    for graphs, prefill in ((False, False), (None, True)):
+        engine = Engine(loaded, max_batch_size=8, max_model_len=256, cuda_graphs=graphs,
+                        batching="continuous", graph_prefill=prefill)
+        assert engine.batching.graphs.prefill is prefill, engine.batching.describe()
+        engine.start()
+        try:
+            prompts = [engine.encode_prompt(" ".join(words[:1 + (7 * i) % len(words)] * (1 + i)))
+                       for i in range(7)]
+            assert len({len(p) for p in prompts}) >= 5, [len(p) for p in prompts]
+            tokens[prefill] = asyncio.run(_greedy_batch(engine, prompts, 16))
+            if prefill:
+                io = engine._manager.batch_processor.inputs_and_outputs
+                captured = set(io.graphs._storage)
+                # more query tokens than the decode batch (8): a prefill step was graphed
+                assert any(key[0] > 8 for key in captured), sorted(captured)
+                assert engine.batching.graphs.prefill, "prefill graphing fell back to eager"
+                tokens["again"] = asyncio.run(_greedy_batch(engine, prompts, 16))
+                assert tokens["again"] == tokens[prefill]
+                alone = [asyncio.run(_greedy_batch(engine, [p], 16))[0] for p in prompts[:3]]
+                assert alone == tokens[prefill][:3]
+        finally:
+            engine.shutdown()
+    assert all(len(t) == 16 for t in tokens[False])
+    assert tokens[True] == tokens[False]
+
+
+def test_prefill_graphing_is_read_from_the_environment(model_dir, monkeypatch):
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.graph_shapes import PREFILL_ENV
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(model_dir, dtype="float32", progress=False)
+    monkeypatch.setenv(PREFILL_ENV, "on")
+    with pytest.raises(ValueError, match=PREFILL_ENV):
+        Engine(loaded, max_batch_size=4)
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    engine = Engine(loaded, max_batch_size=4)  # on a CPU nothing is graphed, prefill or not
+    assert not engine.batching.graphs.on and not engine.batching.graphs.prefill
+    assert Engine(loaded, max_batch_size=4, graph_prefill=False).batching.graphs.prefill is False

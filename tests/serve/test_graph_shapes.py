@@ -1,16 +1,26 @@
-"""KV reads of graph-replayed varlen steps are padded to powers of two, not to the whole cache."""
+"""KV reads of graph-replayed varlen steps are padded to powers of two, not to the whole cache;
+opted in, prefill steps replay graphs too, their query tokens padded to geometric buckets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_runtime.serve.engine import Engine
+from moe_runtime.serve.batching import CONTINUOUS, choose_cuda_graphs
+from moe_runtime.serve.engine import DECODE_PADDING, Engine, _GraphPolicy
 from moe_runtime.serve.graph_shapes import (
     KV_FLOOR,
+    PREFILL_ENV,
     bucket_kv_reads,
+    bucket_prefill_queries,
     kv_bucket,
+    kv_buckets,
     prefer_replanning_free_attention,
+    prefill_graph_bound,
+    prefill_graphs_requested,
+    query_bucket,
+    query_buckets,
+    seqlen_k_buckets,
 )
 from moe_runtime.serve.loading import load_for_serving
 
@@ -67,3 +77,152 @@ def test_cudnn_attention_left_alone_off_cuda():
     before = torch.backends.cuda.cudnn_sdp_enabled()
     assert prefer_replanning_free_attention("cpu") is None
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+# ------------------------------------------------------------- prefill steps (opt-in graphs)
+
+@pytest.mark.parametrize(("tokens", "want"), [
+    (0, 8), (1, 8), (8, 8), (9, 16), (15, 16), (16, 16),  # up to the decode batch: multiples of 8
+    (17, 32), (33, 64), (300, 512), (1025, 2048), (2048, 2048),  # above: powers of two
+])
+def test_query_bucket(tokens, want):
+    assert query_bucket(tokens, cap=2048, dense_up_to=16) == want
+
+
+def test_query_bucket_is_never_below_the_step_and_never_above_the_cap_unless_the_step_is():
+    for dense in (0, 7, 16, 64):
+        for t in range(0, 3000):
+            size = query_bucket(t, cap=2048, dense_up_to=dense)
+            assert size >= t
+            assert size <= 2048 or size == t
+            if t > dense and t > 8:
+                assert size < 2 * t  # at most twice the real tokens above the decode batch
+    # the decode batch keeps the padding of today's decode graphs: multiples of 8
+    assert [query_bucket(t, 2048, 64) for t in (20, 24, 57, 64)] == [24, 24, 64, 64]
+    assert query_bucket(100, cap=96, dense_up_to=16) == 100  # a cap below it does not cut it
+
+
+def test_query_buckets_count_the_shapes():
+    assert query_buckets(2048, 64) == [8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512, 1024, 2048]
+    assert query_buckets(2048, 16) == [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert query_buckets(300, 20) == [8, 16, 24, 32, 64, 128, 256, 300]
+    # transformers' own padding (multiples of 8) would give 256 query shapes for 2048 tokens
+    assert len(query_buckets(2048, 64)) == 13
+
+
+def test_kv_and_key_length_buckets():
+    assert kv_buckets(10304) == [256, 512, 1024, 2048, 4096, 8192, 10304]
+    assert {kv_bucket(t, 10304) for t in range(10305)} == set(kv_buckets(10304))
+    assert seqlen_k_buckets(10304, 640) == [1024]
+    assert seqlen_k_buckets(262144, 4096) == [1024, 2048, 4096]
+    assert seqlen_k_buckets(3000, 4096) == [1024, 2048, 3000]
+    assert seqlen_k_buckets(500, 100) == [500]
+
+
+def test_prefill_graph_bound_is_the_product_of_the_sizes():
+    # the H200 bench shape: 16 clients, 2048-token chunks, 20 blocks of 32 a sequence each
+    bound = prefill_graph_bound(2048, 16, 16 * 640, 640)
+    assert bound["graphs"] == 9 * 7 * 1 == 63
+    wide = prefill_graph_bound(2048, 64, 64 * 4096, 4096)
+    assert wide["graphs"] == len(wide["query"]) * len(wide["kv"]) * len(wide["seqlen_k"]) == 429
+
+
+def test_prefill_graphs_are_opt_in(monkeypatch):
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert prefill_graphs_requested() is False
+    assert prefill_graphs_requested(True) is True
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    assert prefill_graphs_requested() is True
+    assert prefill_graphs_requested(False) is False  # the engine's keyword wins
+    monkeypatch.setenv(PREFILL_ENV, "0")
+    assert prefill_graphs_requested() is False
+    monkeypatch.setenv(PREFILL_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{PREFILL_ENV}='yes': expected 1"):
+        prefill_graphs_requested()
+
+
+def test_the_graph_choice_says_whether_prefill_is_graphed():
+    off = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size")
+    assert not off.prefill and off.max_graphs is None
+    assert "; prefill eager (MOE_RUNTIME_GRAPH_PREFILL=1 graphs it)" in off.describe()
+    bound = prefill_graph_bound(2048, 16, 16 * 640, 640)
+    on = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size", prefill=bound)
+    assert on.on and on.prefill and on.max_graphs == 63 and on.max_tokens == 16
+    assert ("prefill and mixed steps graphed too (MOE_RUNTIME_GRAPH_PREFILL=1): query tokens "
+            "padded to multiples of 8 up to 16, then powers of two up to 2048, at most 63 varlen "
+            "graphs (9 query x 7 KV-read x 1 key-length sizes)") in on.describe()
+    # graphs off: nothing is graphed, prefill asked for or not
+    assert not choose_cuda_graphs("cpu", CONTINUOUS, 16, "x", prefill=bound).prefill
+    assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "x", False, prefill=bound).on
+
+
+@pytest.fixture
+def cpu_processor(model_dir):
+    """transformers' own batch processor, made on CPU, its runner set as CUDA graphs set it
+    (padding on, both paths graphed) so its choices can be read without a GPU."""
+    engine = Engine(load_for_serving(model_dir, dtype="float32", progress=False),
+                    max_batch_size=4, max_model_len=600, cuda_graphs=False)
+    engine.start()
+    try:
+        processor = engine._manager.batch_processor
+        runner = getattr(processor, "model_runner", None)
+        needed = ("maybe_pad_inputs", "_get_forward_fn", "use_cuda_graph_varlen",
+                  "use_cuda_graph_decode", "pad_inputs")
+        if runner is None or not all(hasattr(runner, n) for n in needed):
+            pytest.skip("this transformers' runner lacks " + ", ".join(
+                n for n in needed if not hasattr(runner, n)))
+        runner.pad_inputs = True
+        runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = True
+        runner.cb_config.q_padding_interval_size = DECODE_PADDING  # as the engine sets it
+        yield processor
+    finally:
+        engine.shutdown()
+
+
+def _step(processor, *groups):
+    """Fill ``processor``'s inputs as transformers does for a varlen step of ``groups``
+    ((requests, status, query tokens each, cached tokens each)); returns whether it is graphed
+    and the padded query tokens."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    from transformers.generation.continuous_batching.utils import create_warmup_future_states
+
+    runner, io = processor.model_runner, processor.inputs_and_outputs
+    states = []
+    for n, status, q, kv in groups:
+        made = create_warmup_future_states(n, getattr(RequestStatus, status), q, kv, runner.cache)
+        assert len(made) == n
+        states += made
+    try:
+        q_tokens = sum(s.query_length for s in states)
+        kv_read = max(s.state.position_offset for s in states)
+        padded_q, padded_kv = runner.maybe_pad_inputs(q_tokens, kv_read, False)
+        io.prepare_batch_tensors(states, processor.model_runner.logit_processor, False,
+                                 padded_q, padded_kv, use_padding=True)
+        return runner._get_forward_fn(io.use_block_table)[1], padded_q
+    finally:
+        for s in states:
+            runner.cache.free_blocks(s.state.request_id)
+
+
+def test_policy_off_graphs_decode_steps_only(cpu_processor):
+    """Prefill graphing off (the default): exactly the steps of one token per request replay
+    graphs, and the query padding stays transformers' (multiples of 8)."""
+    policy = _GraphPolicy.install(cpu_processor, prefill=False)
+    assert policy is not None and not policy.prefill
+    assert _step(cpu_processor, (3, "DECODING", 1, 20)) == (True, 8)
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0)) == (False, 40)
+    assert _step(cpu_processor, (3, "DECODING", 1, 20), (1, "PREFILLING", 300, 0)) == (False, 304)
+
+
+def test_policy_on_graphs_prefill_steps_in_query_buckets(cpu_processor):
+    policy = _GraphPolicy.install(cpu_processor, prefill=True)
+    assert bucket_prefill_queries(cpu_processor, cap=512, dense_up_to=4)
+    assert _step(cpu_processor, (3, "DECODING", 1, 20)) == (True, 8)  # as with the flag off
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0)) == (True, 64)
+    assert _step(cpu_processor, (3, "DECODING", 1, 20), (1, "PREFILLING", 300, 0)) == (True, 512)
+    assert _step(cpu_processor, (2, "PREFILLING", 5, 0)) == (True, 16)
+    # the decode fast path is transformers' own (no KV read, powers of two)
+    runner = cpu_processor.model_runner
+    assert runner.maybe_pad_inputs(3, 0, True)[0] == 4
+    policy.prefill = False  # a capture failed at warm-up: back to eager for prefill steps
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
