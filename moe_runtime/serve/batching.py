@@ -106,12 +106,15 @@ def plan_token_bound(plan: Any) -> tuple[int | None, str]:
 
 
 def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
-                       requested: bool | None = None, prefill: dict | None = None) -> GraphChoice:
+                       requested: bool | None = None, prefill: dict | None = None,
+                       prefill_eager_because: str = "MOE_RUNTIME_GRAPH_PREFILL=1 graphs it",
+                       ) -> GraphChoice:
     """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
     is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures.
 
     ``prefill`` (a :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`, given when prefill
-    graphing is asked for) makes steps with prefill tokens replay graphs too, within its bound.
+    graphing is asked for) makes steps with prefill tokens replay graphs too, within its bound;
+    without it, ``prefill_eager_because`` says why they run eagerly.
     """
     import torch
 
@@ -127,8 +130,8 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
               f"flash attention's decode path, else multiples of 8), at most {max_tokens} tokens "
               f"({bound_from})")
     if not prefill:
-        return GraphChoice(True, f"{decode}; prefill eager (MOE_RUNTIME_GRAPH_PREFILL=1 graphs "
-                                 f"it)", max_tokens)
+        return GraphChoice(True, f"{decode}; prefill eager ({prefill_eager_because})",
+                           max_tokens)
     q, kv, keys = prefill["query"], prefill["kv"], prefill["seqlen_k"]
     return GraphChoice(True, f"{decode}; prefill and mixed steps graphed too "
                              f"(MOE_RUNTIME_GRAPH_PREFILL=1): query tokens padded to multiples of "

@@ -282,27 +282,27 @@ class Engine:
             # for prefill and mixed ones)
             manager.batch_processor = processor = manager._create_batch_processor()
             policy = _GraphPolicy.install(processor, prefill=self.batching.graphs.prefill)
+            eager_because = ""  # why prefill steps stay eager though graphing them was asked for
             # without the policy transformers graphs every step: its queries are bucketed too
             if (policy is None or policy.prefill) and not bucket_prefill_queries(
                     processor, cap=self.max_batch_tokens, dense_up_to=self.batch_cap,
                     step=DECODE_PADDING):
                 if policy is not None:  # transformers' padding would make a graph per 8 tokens
                     policy.prefill = False
+                    eager_because = "this transformers has no maybe_pad_inputs to bucket queries"
             bucket_kv_reads(processor)  # not the whole cache each step
             start = time.perf_counter()
             # captures the decode sizes of flash attention's decode path, and (prefill graphed)
             # the largest varlen step first, so the graph pool is sized once
             manager.warmup()
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
-            if policy is not None and policy.capture_failures and policy.prefill:
-                # transformers' warm-up logs and swallows a failed capture; the served steps
-                # would raise on it, so prefill steps go back to eager
-                policy.prefill = False
-                log.warning("CUDA graphs: capturing a prefill step failed at warm-up (%s); "
-                            "prefill steps run eagerly", policy.capture_failures[0])
-            if self.batching.graphs.prefill and (policy is None or not policy.prefill):
-                self.batching = attrs.evolve(self.batching,
-                                             graphs=choose_cuda_graphs(*self._graph_args))
+            if policy is not None and policy.capture_failures:
+                # transformers' warm-up logs and swallows a failed capture (the policy has sent
+                # prefill steps back to eager): the served steps would raise on it
+                eager_because = f"its capture failed at warm-up: {policy.capture_failures[0]}"
+            if self.batching.graphs.prefill and policy is not None and not policy.prefill:
+                self.batching = attrs.evolve(self.batching, graphs=choose_cuda_graphs(
+                    *self._graph_args, prefill_eager_because=eager_because))
                 log.info("batching: %s", self.batching.describe())
         manager.start()
         return manager
@@ -637,7 +637,11 @@ class _GraphPolicy:
                     return capture(*args, **kwargs)
                 except Exception as exc:
                     if not self.decode_only(getattr(io, "use_block_table", False)):
+                        # this step fails; the next prefill steps run eagerly
                         self.capture_failures.append(f"{type(exc).__name__}: {exc}")
+                        self.prefill = False
+                        log.warning("CUDA graphs: capturing a prefill step failed (%s); prefill "
+                                    "steps run eagerly from now on", self.capture_failures[-1])
                     raise
 
             runner._capture_graph = capture_graph

@@ -151,6 +151,10 @@ def test_the_graph_choice_says_whether_prefill_is_graphed():
     assert ("prefill and mixed steps graphed too (MOE_RUNTIME_GRAPH_PREFILL=1): query tokens "
             "padded to multiples of 8 up to 16, then powers of two up to 2048, at most 63 varlen "
             "graphs (9 query x 7 KV-read x 1 key-length sizes)") in on.describe()
+    fell_back = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size",
+                                   prefill_eager_because="its capture failed at warm-up: X")
+    assert fell_back.on and not fell_back.prefill
+    assert "; prefill eager (its capture failed at warm-up: X)" in fell_back.describe()
     # graphs off: nothing is graphed, prefill asked for or not
     assert not choose_cuda_graphs("cpu", CONTINUOUS, 16, "x", prefill=bound).prefill
     assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "x", False, prefill=bound).on
@@ -226,3 +230,27 @@ def test_policy_on_graphs_prefill_steps_in_query_buckets(cpu_processor):
     assert runner.maybe_pad_inputs(3, 0, True)[0] == 4
     policy.prefill = False  # a capture failed at warm-up: back to eager for prefill steps
     assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
+
+
+def test_a_failed_prefill_capture_sends_prefill_back_to_eager(cpu_processor):
+    """transformers' warm-up swallows a failed capture; the policy then runs prefill steps
+    eagerly rather than failing each served one (a failed decode capture changes nothing)."""
+    runner = cpu_processor.model_runner
+
+    def capture_fails(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner._capture_graph = capture_fails
+    policy = _GraphPolicy.install(cpu_processor, prefill=True)
+    assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
+    with pytest.raises(RuntimeError):
+        runner._capture_graph()
+    assert policy.prefill and not policy.capture_failures
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is True
+    with pytest.raises(RuntimeError):
+        runner._capture_graph()
+    assert not policy.prefill
+    assert policy.capture_failures == ["RuntimeError: operation not permitted when stream is "
+                                       "capturing"]
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
+    assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
