@@ -157,14 +157,18 @@ UNSUPPORTED: dict[str, tuple[tuple, str, str]] = {
     "web_search_options": (_OFF, "null", "this server has no web search"),
     "reasoning_effort": (_OFF, "null", "send the chat template's own variable in "
                          "chat_template_kwargs instead (Qwen3: {'enable_thinking': false})"),
-    "verbosity": (_OFF, "null", "no model here reads it"),
+    # OpenAI's default verbosity: what a client that names it without choosing sends
+    "verbosity": ((None, "medium"), "null or 'medium'", "no model here reads it"),
+    "moderation": (_OFF, "null", "this server runs no moderation model over requests or "
+                   "answers"),
     "store": ((None, False), "false", "this server stores no completions"),
     "prompt_embeds": (_OFF, "null", "send the prompt as text or token ids"),
     "thinking_token_budget": (_OFF, "null", "bound the whole completion with max_tokens"),
     "session_params": (_OFF, "null", "this server keeps no sessions"),
 }
 _CHAT_ONLY = {"tools", "functions", "tool_choice", "function_call", "audio", "modalities",
-              "web_search_options", "reasoning_effort", "verbosity", "mm_processor_kwargs"}
+              "web_search_options", "reasoning_effort", "verbosity", "mm_processor_kwargs",
+              "moderation"}
 _CHAT_UNSUPPORTED = {
     "echo": ((None, False), "false", "vLLM's chat echo is not implemented; /v1/completions "
              "echoes a prompt"),
@@ -205,6 +209,7 @@ class _Request(BaseModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # OpenAI's cache breakpoints and lifetime
     safety_identifier: str | None = None
     cache_salt: str | None = None  # vLLM's: keys its prefix cache, which this server lacks
     parallel_tool_calls: bool | None = None  # no tools here, so nothing to call in parallel
@@ -278,6 +283,11 @@ class _Request(BaseModel):
                               f"{words}", name, "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
+        given = getattr(self, "max_completion_tokens", None)
+        if self.max_tokens is not None and given is not None and self.max_tokens != given:
+            raise invalid(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({given}) "
+                          "disagree; send one of them (max_completion_tokens is the newer name "
+                          "of max_tokens)", "max_completion_tokens")
         if self.min_tokens and self.requested_max_tokens is not None and (
                 self.min_tokens > self.requested_max_tokens):
             raise invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
@@ -337,11 +347,6 @@ class CompletionRequest(_Request):
                           "fill in the middle; accepted: null or ''", "suffix",
                           "unsupported_parameter")
         _check_response_format(self.response_format)
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise invalid(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
-                          f"({self.max_completion_tokens}) disagree; send one of them",
-                          "max_completion_tokens")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -379,10 +384,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class RefusalPart(BaseModel):
+    """An assistant's refusal sent back from an earlier answer: its text is the content."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+_PART_TEXT = {"text": "text", "refusal": "refusal"}  # content part type -> its string's key
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     # what clients send back of an earlier answer: null or empty here (no tools, text only)
     tool_calls: list[Any] | None = None
@@ -390,6 +410,27 @@ class ChatMessage(BaseModel):
     audio: Any = None
     refusal: str | None = None
     reasoning_content: str | None = None  # vLLM's and SGLang's; Qwen3's template reads it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v, info):
+        # checked here so that a bad part is named, not reported as "not a valid string"
+        if not isinstance(v, list):
+            return v
+        role = info.data.get("role")
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _PART_TEXT or (kind == "refusal" and role != "assistant"):
+                raise PydanticCustomError(
+                    "unsupported_content", "content part {i} is {kind}: this server serves "
+                    "text only; accepted: parts of type 'text' (and 'refusal' in an "
+                    "assistant's message), or content as a string",
+                    {"i": i, "kind": f"of type {kind!r}" if kind else "not a typed object"})
+            if not isinstance(part.get(_PART_TEXT[kind]), str):
+                raise PydanticCustomError(
+                    "invalid_content", "content part {i} of type '{kind}' needs a string "
+                    "'{key}'", {"i": i, "kind": kind, "key": _PART_TEXT[kind]})
+        return v
 
     @field_validator("tool_calls", "function_call", "audio")
     @classmethod
@@ -439,8 +480,9 @@ class ChatCompletionRequest(_Request):
         if not self.messages:
             raise invalid("messages must not be empty", "messages")
         _check_response_format(self.response_format)
-        if self.top_logprobs_ is not None and not self.logprobs:
-            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.top_logprobs_ and not self.logprobs:  # 0 asks for nothing: served (as vLLM)
+            raise invalid(f"top_logprobs={self.top_logprobs_} needs logprobs set to true; "
+                          "accepted without it: null or 0", "top_logprobs")
         for key in sorted(self.chat_template_kwargs or {}):
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise invalid(f"chat_template_kwargs may not set {key!r}: it is an argument of "
