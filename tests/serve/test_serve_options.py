@@ -312,3 +312,10 @@ def test_the_command_lines_plugin_options_reach_the_plan(tmp_path):
                         str(ckpt), "--port", "0", "--moe-runner-backend", "triton"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "'triton' is not a registered experts backend" in r.stderr
+
+
+def test_a_bad_graph_prefill_variable_is_exit_status_2_before_loading(tmp_path):
+    env = {**os.environ, "MOE_RUNTIME_GRAPH_PREFILL": "yes"}
+    r = _serve(str(tmp_path), env=env, timeout=30)  # tmp_path holds no model: never reached
+    assert r.returncode == 2, r.stderr
+    assert "MOE_RUNTIME_GRAPH_PREFILL='yes'" in r.stderr and "Traceback" not in r.stderr
