@@ -1,40 +1,10 @@
 """Large-batch path of the Triton experts backend: TMA tiles and persistent grouped GEMMs (issue 14).
 
-Same inputs and output as :func:`ops.fused_moe_prepared` for 16-bit and fp8_w8a8 weights, built
-for prefill sizes (about 1024 tokens and more) on Hopper:
-
-1. routing: :func:`ops.route_into` (rows sorted by expert, each expert padded to ``BLOCK_M``,
-   ``bexp`` the expert of each row block, -1 past the used ones);
-2. gather (:func:`tma_gather_kernel`): ``xs[row] = x[pair // topk]`` once, in sorted order
-   (padding rows zero; fp8: quantized with the input scale here), so GEMM 1's activation tile is a
-   plain 2-D TMA box instead of ``BLOCK_M`` gathered rows per K step (config ``a_gather``: no
-   copy, GEMM 1 gathers the rows through pointers as the sorted path does, its B still by TMA);
-3. GEMM 1 (:func:`tma_gemm1_kernel`): ``inter = act(xs @ w_gate^T) * (xs @ w_up^T)``. The weights
-   of all experts are one 2-D ``[E * 2I, H]`` TMA descriptor (a tile of expert ``e`` starts at row
-   ``e * 2I + n``). With ``FUSED_GU`` the gate and up rows are interleaved at prepare time (row
-   ``2j`` = gate ``j``, ``2j + 1`` = up ``j``), so one ``BLOCK_N`` wide tile and one dot give
-   ``BLOCK_N / 2`` output columns; the accumulator's adjacent column pairs are split in registers
-   (the MMA layout holds column pairs in one thread);
-4. GEMM 2 (:func:`tma_gemm2_kernel`): ``y[pair] = w_route[pair] * (inter @ w2^T)``, ``inter`` and
-   ``w2 [E * H, I]`` both TMA descriptors, the rows scattered to pair order in the epilogue;
-5. combine: :func:`kernels.moe_finalize_kernel` (as the sorted path).
-
-Both GEMMs are persistent: ``num_progs`` programs (the SM count by default) loop over the used
-tiles (counted on the device from ``bexp``: nothing data-dependent on the host, so the path is
-CUDA-graph capturable), tile order grouped by ``GROUP_M`` row blocks (by default as many as
-make one wave of the programs) so the weight tiles of one expert and the activation tiles of a
-row block are read by concurrent programs (L2 reuse), with ``tl.range(..., flatten=True)`` so
-the next tile's loads are issued during the epilogue.
-
-Not wired into :func:`ops.fused_moe_prepared` yet (``benchmarks/bench_tma.py`` measures it against
-that path first). The intended wiring: a tuned-table entry's ``"tma": {config}`` selects it for a
-token-count bucket, next to the torch grouped GEMM branch; ``PreparedWeights`` holds the
-:class:`TmaWeights` (with ``fused_gu`` the interleaved ``w13`` would replace the plain one, and the
-sorted/decode GEMM 1 kernels read gate row ``j`` at ``2j`` and up at ``2j + 1``).
-
-Tensor descriptors are host-side (``triton.tools.tensor_descriptor.TensorDescriptor``, Triton 3.4
-and later; the interpreter runs them too). TMA needs 16-byte aligned rows: ``H`` and ``I`` times
-the element size must be multiples of 16 (:func:`tma_unavailable` says why a layer cannot run).
+Same inputs and output as :func:`ops.fused_moe_prepared` for 16-bit and fp8_w8a8 weights, for
+prefill sizes on Hopper: x gathered once into expert-sorted rows, TMA descriptors for both GEMMs,
+persistent tile loops, gate and up in one wide tile. Not wired into the backend yet
+(``benchmarks/bench_tma.py`` measures it first); the steps, the intended wiring and the TMA
+alignment rule are in the plugin's README.md ("Module notes").
 """
 
 from __future__ import annotations
