@@ -19,7 +19,9 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-MAX_STOP_SEQUENCES = 4
+# stop strings per request: OpenAI allows 4, vLLM any number; lm-eval's local-completions sends
+# its task's stops and the EOS text untrimmed (often 5 or more)
+MAX_STOP_SEQUENCES = 16
 MAX_N = 16  # choices per request (each is one more sequence in the batch)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP_TOKEN_IDS = 64  # vLLM's stop_token_ids per request (sampling.MAX_STOP_TOKEN_IDS)

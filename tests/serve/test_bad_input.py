@@ -54,7 +54,7 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(http, server, field, value
     ("max_tokens", 0),
     ("temperature", 3.0),
     ("top_p", 0.0),
-    ("stop", ["a", "b", "c", "d", "e"]),
+    ("stop", [str(i) for i in range(17)]),  # protocol.MAX_STOP_SEQUENCES is 16
 ])
 def test_a_value_out_of_range_is_a_400(http, server, field, value):
     body = {"model": server.model, "prompt": "hello", "max_tokens": 2, field: value}

@@ -221,6 +221,13 @@ def _third_party_bodies(model: str) -> list[tuple[str, str, dict]]:
         ("langchain ChatOpenAI stream", "/v1/chat/completions",
          {"model": model, "stream": True, "stream_options": {"include_usage": True},
           "messages": [{"content": text, "role": "user"}]}),
+        # lm-evaluation-harness local-completions (lm_eval/models/openai_completions.py,
+        # LocalCompletionsAPI._create_payload, generate): token-id prompts (tokenized_requests),
+        # the task's stops and the EOS text untrimmed, seed 1234
+        ("lm-eval local-completions", "/v1/completions",
+         {"prompt": [[72, 101, 108, 108, 111]], "model": model, "max_tokens": 8,
+          "temperature": 0, "stop": ["\n\n", "Question:", "Q:", "</s>", "<|im_end|>",
+                                     "<|endoftext|>"], "seed": 1234}),
         # LiteLLM hosted_vllm/ provider (docs/my-website/docs/providers/vllm.md): only the
         # parameters given to litellm.completion
         ("litellm hosted_vllm", "/v1/chat/completions",
