@@ -97,6 +97,31 @@ def test_chat_parameter_refused_names_field_and_what_is_accepted(client, server,
     _refused(field, lambda: _call(client, server, True, **{field: value}))
 
 
+@pytest.mark.parametrize("chat, field, value", [
+    (chat, p, v) for chat, table in ((False, COMPLETION_PARAMS), (True, CHAT_PARAMS))
+    for p, v, how in table if how == "ok" and v is not None])
+def test_every_served_parameter_is_served_at_a_users_value(client, server, chat, field, value):
+    extra = {"stream": True} if field == "stream_options" else {}
+    if field == "top_logprobs":
+        extra = {"logprobs": True}
+    if field == "max_completion_tokens":
+        extra = {"max_tokens": None}  # _call's max_tokens would disagree (a 400)
+    out = _call(client, server, chat, **{field: value}, **extra)
+    assert out if isinstance(out, list) else out.choices
+
+
+# no-ops here (hints for caching, routing and accounting): the greedy answer is the same
+CHAT_NOOPS = {p: v for p, v, _ in CHAT_PARAMS if p in {
+    "metadata", "parallel_tool_calls", "prediction", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "safety_identifier", "service_tier", "user", "seed"}}
+
+
+def test_chat_no_op_parameters_change_nothing(client, server):
+    plain = _call(client, server, True, max_tokens=10).choices[0].message.content
+    same = _call(client, server, True, max_tokens=10, **CHAT_NOOPS).choices[0].message.content
+    assert len(CHAT_NOOPS) == 10 and same == plain
+
+
 def test_completions_parameters_are_honoured(client, server):
     c = lambda **kw: _call(client, server, False, **kw)  # noqa: E731
     out = c(max_tokens=3, extra_body={"ignore_eos": True})
