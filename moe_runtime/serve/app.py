@@ -156,7 +156,7 @@ class _Server:
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
     def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None,
-                min_tokens: int | None = 0) -> int:
+                min_tokens: int | None = 0, field: str = "max_tokens") -> int:
         """Tokens the completion may have: ``requested``, else the default (at least
         ``min_tokens``), within the context."""
         ctx = self.engine.context_length
@@ -176,7 +176,7 @@ class _Server:
         if requested > room:
             raise invalid(f"this model's maximum context length is {ctx} tokens; you requested "
                           f"{n + requested} ({n} in the prompt, {requested} for the completion)",
-                          "max_tokens", "context_length_exceeded")
+                          field, "context_length_exceeded")
         return requested
 
     def _prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -237,7 +237,7 @@ class _Server:
         for p, prompt in enumerate(req.prompts()):
             ids = self._prompt_ids(prompt, req.add_special_tokens is not False)
             max_tokens = self._budget(ids, req.requested_max_tokens, DEFAULT_COMPLETION_TOKENS,
-                                      req.min_tokens)
+                                      req.min_tokens, req.max_tokens_field)
             echo, echo_logprobs = "", ()
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(
@@ -257,7 +257,8 @@ class _Server:
             prompt_ids = engine.encode_chat(req.chat_messages(), req.template_kwargs())
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
-        max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None, req.min_tokens)
+        max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None, req.min_tokens,
+                                  req.max_tokens_field)
         jobs = [_Job(j, prompt_ids, max_tokens, self._sampling(req, j))
                 for j in range(req.choices)]
         return await self._respond(request, "/v1/chat/completions", req, jobs, chat=True)

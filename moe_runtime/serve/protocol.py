@@ -299,6 +299,13 @@ class _Request(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the token bound came in (an error about it names that one)."""
+        if self.max_tokens is None and getattr(self, "max_completion_tokens", None) is not None:
+            return "max_completion_tokens"
+        return "max_tokens"
+
 
 def _shown(value: Any) -> str:
     text = json.dumps(value) if _jsonable(value) else repr(value)
@@ -320,6 +327,22 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        # one message for every wrong shape, rather than the first union member's complaint
+        ok = isinstance(v, str) or (isinstance(v, list) and (
+            all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            or all(isinstance(x, str) for x in v)
+            or all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in x) for x in v)))
+        if not ok:
+            raise PydanticCustomError(
+                "prompt_type", "a prompt is a string, a list of token ids, a list of strings or "
+                "a list of token-id lists (one kind per request)")
+        return v
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs_count(cls, v):

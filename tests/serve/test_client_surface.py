@@ -309,6 +309,10 @@ def test_errors_have_openais_shape_with_param_the_field(http, server, api_key):
         (("POST", "/v1/chat/completions", {"model": model, "messages": HELLO,
                                            "stream_options": {"include_usage": True}}), 400,
          "stream_options"),
+        (("POST", "/v1/chat/completions", {"model": model, "messages": HELLO,
+                                           "max_completion_tokens": 10**6}), 400,
+         "max_completion_tokens"),  # the field sent, not its older name
+        (("POST", "/v1/completions", {"model": model, "prompt": ["a", [1, 2]]}), 400, "prompt"),
         (("POST", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"}), 404, "model"),
         (("GET", "/v1/completions", None), 405, None),
         (("GET", "/v1/nothing-here", None), 404, None),
@@ -320,6 +324,8 @@ def test_errors_have_openais_shape_with_param_the_field(http, server, api_key):
         assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
         assert err["param"] == param and err["message"], r.text
         assert err["type"] == "invalid_request_error"
+        if param == "prompt":
+            assert "a list of token-id lists" in err["message"], err
     r = httpx.post(f"{server.root}/v1/completions", json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 401
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
