@@ -74,7 +74,8 @@ def add_tune_command(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N",
                    help="untimed calls first (default 3)")
     p.add_argument("--budget", type=float, default=10.0, metavar="SECONDS",
-                   help="fewer repeats (at least 3) where they would take longer (default 10)")
+                   help="fewer repeats (at least 3, or --repeats if fewer) where they would take "
+                        "longer (default 10)")
     p.add_argument("--backends", default=None, metavar="NAME,...",
                    help="time only these experts backends (default: every candidate)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when present)")

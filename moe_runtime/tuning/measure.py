@@ -56,8 +56,9 @@ class TuneCase:
 @attrs.frozen
 class Timer:
     """Times a call: ``warmup`` untimed calls, then up to ``repeats`` timed ones (fewer when they
-    would take more than ``budget_s`` seconds at the last warm-up call's pace: at least 3), the
-    median. The first calls may compile kernels (JIT), so only the last warm-up call paces."""
+    would take more than ``budget_s`` seconds at the last warm-up call's pace: at least 3, or
+    ``repeats`` if that is fewer), the median. The first calls may compile kernels (JIT), so only
+    the last warm-up call paces."""
 
     warmup: int = 3
     repeats: int = 20
@@ -72,9 +73,15 @@ class Timer:
             if cuda:
                 torch.cuda.synchronize(case.device)
             per_call = time.perf_counter() - start
-        n = max(3, min(self.repeats, int(self.budget_s / max(per_call, 1e-9))))
+        n = self.timed_calls(per_call)
         samples = self._cuda(fn, n, case.device) if cuda else self._wall(fn, n)
         return Timing(statistics.median(samples), n, "cuda_events" if cuda else "wall_clock")
+
+    def timed_calls(self, per_call_s: float) -> int:
+        """How many calls are timed at ``per_call_s`` seconds a call: never more than
+        ``repeats`` (``--repeats 1`` times one call), and the budget cuts no further than 3."""
+        fit = int(self.budget_s / max(per_call_s, 1e-9))
+        return max(1, min(self.repeats, max(3, fit)))
 
     @staticmethod
     def _wall(fn, n: int) -> list[float]:

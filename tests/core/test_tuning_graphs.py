@@ -134,3 +134,14 @@ def test_replays_timed_at_zero_leave_the_eager_time_and_say_why(registry, shapes
     assert m.median_us == m.eager_us == 300.0 and m.error is None
     assert m.timed == ("eager: replays: timer: median 0.0 us, not a positive time (below the "
                        "timer's resolution?)")
+
+
+@pytest.mark.parametrize(("repeats", "budget_s", "per_call_s", "want"), [
+    (20, 10.0, 0.001, 20),  # the budget holds every repeat
+    (20, 10.0, 1.0, 10),    # the budget cuts
+    (20, 10.0, 100.0, 3),   # ... but not below 3
+    (1, 10.0, 0.001, 1),    # --repeats 1 times one call, not 3
+    (2, 0.0, 1.0, 2),       # fewer than 3 asked: that many, whatever the budget
+])
+def test_timed_calls_never_exceed_the_repeats_asked(repeats, budget_s, per_call_s, want):
+    assert Timer(warmup=1, repeats=repeats, budget_s=budget_s).timed_calls(per_call_s) == want
