@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The pending GPU runs of benchmarks/RESULTS.md ("Pending GPU runs"), one device call each, every
+# step's log and results under $OUT. On the device machine, from the repository root:
+#
+#   bash benchmarks/run_pending_gpu.sh serve     # issue 15: both sides, every fix; ~8 min
+#                                                # (carry .gpu_carry/serve_whl)
+#   bash benchmarks/run_pending_gpu.sh kernels   # issues 14 and 20: TMA and W4A16 paths; ~8 min
+#   bash benchmarks/run_pending_gpu.sh tune      # issue 14: tune triton vs humming; ~5 min
+#                                                # (carry .whl: the humming wheel)
+#
+# Each step has a timeout of its own, so one that hangs leaves the others' results.
+set -uo pipefail
+OUT="${OUT:-pending-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/triton \
+    >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+
+wheels() {  # install carried wheels into /tmp/site
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl \
+        >>"$OUT/install.log" 2>&1 || { echo "cannot install the wheels of $1"; exit 3; }
+    export PYTHONPATH=/tmp/site
+}
+
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, show its tail
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%H:%M:%S))"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "   exit $?"
+    tail -n 25 "$OUT/$name.log"
+}
+
+case "${1:-}" in
+serve)
+    wheels .gpu_carry/serve_whl
+    step checkpoint 90 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    step bench_serve 330 python benchmarks/bench_serve.py --model /tmp/q30 --device cuda \
+        --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 --repeats 1 --profile-clients 16 \
+        --no-progress --out "$OUT/serve"
+    step profile_serve 60 python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 \
+        --graphs on --out "$OUT/prof"
+    step gpu_tests 90 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_engine_cuda_graphs.py
+    ;;
+kernels)
+    step kernel_tests 150 python -m pytest -q -p no:cacheprovider -rs \
+        plugins/triton/tests/test_tma.py plugins/triton/tests/test_w4a16.py
+    step bench_tma 330 python benchmarks/bench_tma.py --time-budget 300 --out "$OUT/tma"
+    step bench_w4a16 240 python benchmarks/bench_w4a16.py --shapes qwen3-30b-a3b deepseek-v3 \
+        --out "$OUT/w4a16"
+    ;;
+tune)
+    wheels .whl
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --layers 1 --quant nvfp4 --no-progress
+    step tune 300 moe-runtime tune /tmp/q30 --tokens 1,16,128,1024,4096 --backends triton,humming \
+        --cache "$OUT/tuning.json"
+    for n in 1 128 4096; do
+        step "plan_$n" 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
+            --max-tokens-per-rank "$n"
+    done
+    ;;
+*)
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune" >&2
+    exit 2
+    ;;
+esac
