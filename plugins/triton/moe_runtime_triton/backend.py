@@ -32,6 +32,9 @@ class TritonExperts(ExpertsBackend):
                 f"{weights.num_experts} experts, expected the {expected} local experts")
         self.weights = ops.prepare_weights(weights, self.setup.runs_as)
         self._top_k = self.setup.problem.top_k
+        # the TMA path's weight views the tuned table (or MOE_TRITON_TMA=1) will ask for, now:
+        # never inside a CUDA graph capture
+        ops.prepare_tma_views(self.weights, self._top_k)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per layer, bounded by token counts
     def _config(self, n_tokens: int, top_k: int) -> dict:

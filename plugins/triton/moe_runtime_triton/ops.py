@@ -74,6 +74,10 @@ class PreparedWeights:
     intermediate_size: int
     # why the torch grouped GEMM path cannot run these weights where they are (None: it can)
     grouped_mm_unavailable: str | None = None
+    # the TMA path's views (tma.TmaWeights) by fused_gu, built once, at prepare (prepare_tma_views)
+    # or at the first eager call that asks for them, never inside a CUDA graph capture; and under
+    # "why", tma_unavailable's answer
+    tma_views: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def weight_dtype_name(self) -> str:
@@ -394,6 +398,16 @@ def fused_moe_prepared(
     if H != pw.hidden_size:
         raise ValueError(f"hidden size {H} does not match the weights' {pw.hidden_size}")
     topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    cfg = config or get_config(pw.run_as, E, H, I, topk, N)
+    if N and not (wants_torch_grouped(cfg) and pw.grouped_mm_unavailable is None):
+        tma_cfg = tma_config(pw, cfg, N, topk)
+        if tma_cfg is not None:
+            from moe_runtime_triton import tma
+
+            return tma.fused_moe_tma(hidden, topk_ids, topk_weights,
+                                     tma_weights(pw, bool(tma_cfg.get("fused_gu", True))),
+                                     hidden_scale=hidden_scale, out_dtype=out_dtype,
+                                     config=tma_cfg, _stages=_stages)
     hidden, compute, out_dtype = _activations(hidden, hidden_scale, pw, out_dtype)
     out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
     if N == 0:
@@ -403,7 +417,6 @@ def fused_moe_prepared(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
 
-    cfg = config or get_config(pw.run_as, E, H, I, topk, N)
     if wants_torch_grouped(cfg) and pw.grouped_mm_unavailable is None:
         _torch_grouped_path(hidden, hidden_scale, topk_ids, topk_weights, pw, out, go)
         return out
@@ -648,6 +661,93 @@ def _grouped_unavailable(run_as, H, I, dtype, device_type, cap) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------------------------
+# TMA / persistent path (moe_runtime_triton.tma)
+# ----------------------------------------------------------------------------------------------
+
+TMA_ENV = "MOE_TRITON_TMA"
+
+
+def tma_mode(value: str | None = None) -> str:
+    """``MOE_TRITON_TMA`` (or ``value``): ``"0"`` never, ``"1"`` on every token-major call where the
+    path can run (the tuned entry's ``"tma"`` config, else :func:`tma.default_config`), unset or
+    empty: where the tile config (the tuned table's entry) has a ``"tma"`` config."""
+    mode = (os.environ.get(TMA_ENV, "") if value is None else value).strip()
+    if mode not in GROUPED_MM_MODES:
+        raise ValueError(f"{TMA_ENV}={mode!r}: accepted values are '0' (never), '1' (every "
+                         "token-major call where the TMA path can run) or unset (the tuned table)")
+    return mode
+
+
+TMA_MODE = tma_mode()
+
+
+def tma_unavailable(pw: PreparedWeights) -> str | None:
+    """Why the TMA path cannot run ``pw`` (``None``: it can): weights decoded in the main loop,
+    rows not a multiple of 16 bytes, or a device without TMA (compute capability below 9.0)."""
+    if "why" in pw.tma_views:  # once per prepared weights: it is asked on every call
+        return pw.tma_views["why"]
+    from moe_runtime_triton import tma
+
+    why = tma.tma_unavailable(pw)
+    if why is None and pw.w13.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(pw.w13.device)
+        if cap < (9, 0):
+            why = (f"the TMA path needs compute capability 9.0 or newer (tensor memory "
+                   f"accelerator); this GPU has {cap[0]}.{cap[1]}")
+    pw.tma_views["why"] = why
+    return why
+
+
+def tma_config(pw: PreparedWeights, cfg: dict, n_tokens: int, topk: int) -> dict | None:
+    """The TMA path's config for a call with tile config ``cfg``, or ``None`` where the sorted,
+    decode or torch grouped path runs instead (:data:`TMA_MODE`, the entry's ``"tma"``, and
+    whether the path can run these weights)."""
+    if TMA_MODE == "0" or (TMA_MODE == "" and not cfg.get("tma")):
+        return None
+    if tma_unavailable(pw) is not None:
+        return None
+    if cfg.get("tma"):
+        return cfg["tma"]
+    from moe_runtime_triton import tma
+
+    return tma.default_config(pw, n_tokens, topk)
+
+
+def tma_weights(pw: PreparedWeights, fused_gu: bool):
+    """The TMA views of ``pw`` (``tma.TmaWeights``), built on first use and kept with ``pw``.
+    ``fused_gu`` keeps an interleaved copy of ``w13`` (gate and up rows alternating): the memory of
+    ``w13`` once more, for as long as the weights live."""
+    tw = pw.tma_views.get(fused_gu)
+    if tw is None:
+        if pw.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the TMA path's weight views are built outside CUDA graph capture: call "
+                "ops.prepare_tma_views(pw, ...) (the backend's prepare does) or run the call once "
+                "eagerly before capturing it")
+        from moe_runtime_triton import tma
+
+        tw = pw.tma_views[fused_gu] = tma.prepare_tma(pw, fused_gu=fused_gu)
+    return tw
+
+
+def prepare_tma_views(pw: PreparedWeights, topk: int) -> list[bool]:
+    """Build, at load, the TMA views that the calls on these weights will ask for: those of the
+    tuned table's entries with a ``"tma"`` config for this shape, and with ``MOE_TRITON_TMA=1`` the
+    default config's. Returns the ``fused_gu`` values built (none where the path cannot run)."""
+    if TMA_MODE == "0" or tma_unavailable(pw) is not None:
+        return []
+    E, H, I = pw.num_experts, pw.hidden_size, pw.intermediate_size
+    entry = _tuned_table().get(table_key(pw.run_as, E, H, I, topk)) if _table_applies() else None
+    wanted = {bool(c["tma"].get("fused_gu", True)) for c in (entry or {}).values()
+              if isinstance(c, dict) and c.get("tma")}
+    if TMA_MODE == "1":
+        wanted.add(True)  # tma.default_config's
+    for gu in sorted(wanted):
+        tma_weights(pw, gu)
+    return sorted(wanted)
+
+
 def _grouped_gemm(op: str, a, b, offs, scale_a=None, scale_b=None):
     """``a [M, K]`` rows grouped by ``offs`` (cumulative ends, int32) times ``b [G, K, N]``
     (a transposed view of the ``[G, N, K]`` weights). Rows past ``offs[-1]`` are left unwritten."""
@@ -746,4 +846,11 @@ def describe_config(cfg: dict[str, Any]) -> str:
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
             f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
             + (" preq" if cfg.get("a_prequant") else "")
-            + (" grouped_mm" if cfg.get("grouped_mm") else ""))
+            + (" grouped_mm" if cfg.get("grouped_mm") else "")
+            + (f" tma[{_tma_describe(cfg['tma'])}]" if cfg.get("tma") else ""))
+
+
+def _tma_describe(cfg: dict) -> str:
+    from moe_runtime_triton import tma
+
+    return tma.describe(cfg)
