@@ -249,6 +249,8 @@ class Architecture:
     :param text_config: the model fields sit under config.json's ``text_config``.
     :param served: ``moe-runtime serve`` serves it (each served family has an end-to-end test);
         one that is not is refused at start-up with :attr:`serve_refusal`.
+    :param model_types: the config.json ``model_type`` values transformers maps to this class
+        (it picks the config class by ``model_type``, the model class by ``architectures``).
     """
 
     name: str
@@ -261,6 +263,7 @@ class Architecture:
     text_config: bool = False
     served: bool = True
     serve_refusal: str = ""
+    model_types: tuple[str, ...] = ()
 
     def experts_name(self, prefix: str, index: int) -> str:
         return f"{prefix}layers.{index}.{self.block}.experts"
@@ -281,22 +284,24 @@ ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
         Architecture("Qwen3MoeForCausalLM", "Qwen3-MoE", "model.", "mlp", GATE_UP_DOWN,
-                     _qwen_moe(shared=False, norm_topk_default=False)),
+                     _qwen_moe(shared=False, norm_topk_default=False), model_types=("qwen3_moe",)),
         Architecture("Qwen2MoeForCausalLM", "Qwen2-MoE", "model.", "mlp", GATE_UP_DOWN,
-                     _qwen_moe(shared=True, norm_topk_default=False)),
+                     _qwen_moe(shared=True, norm_topk_default=False), model_types=("qwen2_moe",)),
         Architecture("Qwen3NextForCausalLM", "Qwen3-Next", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=True, norm_topk_default=True),
-                     served=False, serve_refusal=_LINEAR_ATTENTION),
+                     served=False, serve_refusal=_LINEAR_ATTENTION, model_types=("qwen3_next",)),
         Architecture("Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE", "model.language_model.",
                      "mlp", GATE_UP_DOWN, _qwen_moe(shared=True, norm_topk_default=None),
-                     text_config=True, served=False, serve_refusal=_LINEAR_ATTENTION),
+                     text_config=True, served=False, serve_refusal=_LINEAR_ATTENTION,
+                     model_types=("qwen3_5_moe",)),
         Architecture("Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=True, norm_topk_default=None), text_config=True,
-                     served=False, serve_refusal=_LINEAR_ATTENTION),
+                     served=False, serve_refusal=_LINEAR_ATTENTION,
+                     model_types=("qwen3_5_moe", "qwen3_5_moe_text")),
         Architecture("MixtralForCausalLM", "Mixtral", "model.", "block_sparse_moe",
-                     MIXTRAL_NAMES, _mixtral),
+                     MIXTRAL_NAMES, _mixtral, model_types=("mixtral",)),
         Architecture("DeepseekV3ForCausalLM", "DeepSeek-V3", "model.", "mlp", GATE_UP_DOWN,
-                     _deepseek_v3, cache=_mla_cache),
+                     _deepseek_v3, cache=_mla_cache, model_types=("deepseek_v3",)),
     )
 }
 

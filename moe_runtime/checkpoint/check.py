@@ -33,7 +33,6 @@ result is remembered per folder state, so the loaders that call it one after the
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import re
 import time
@@ -58,6 +57,7 @@ from moe_runtime.checkpoint.quant_config import (
     CONFIG,
     QuantizationSpec,
     quantization_sources,
+    read_json_file,
     read_quantization,
 )
 from moe_runtime.checkpoint.records import CheckpointError, MoELayerInfo
@@ -81,6 +81,10 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
 _SIZE_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size",
                 "max_position_embeddings")
+# null in these is refused by transformers' config classes of every supported architecture
+# (head_dim and num_key_value_heads may be null in some: the class derives them)
+_NOT_NULL_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "max_position_embeddings")
 _SCALE_LEAF = re.compile(r"(?:^|_)scale(?:_\d+)?$")
 _LISTED = 3  # tensors named in one finding before "and N more"
 
@@ -400,20 +404,11 @@ class _Check:
     def check_json(self) -> None:
         for p in sorted(self.folder.glob("*.json")):
             try:
-                text = p.read_text()
-            except (OSError, UnicodeDecodeError):
-                continue  # reported by check_folder (or a non-UTF-8 file: reported below)
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                self.add("json", str(p),
-                         f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-                         + (" (the file looks truncated)"
-                            if not text.rstrip().endswith(("}", "]")) else ""),
-                         "a complete JSON object")
-                continue
-            except RecursionError:
-                self.add("json", str(p), "JSON nested too deeply to read", "a JSON object")
+                data, problem = read_json_file(p)
+            except OSError:
+                continue  # reported by check_folder
+            if problem:
+                self.add("json", str(p), *problem)
                 continue
             if not isinstance(data, dict):
                 self.add("json", str(p), f"holds a JSON {type(data).__name__}, not an object",
@@ -437,6 +432,11 @@ class _Check:
         if not structures:
             self.add("config", file, "declares no MoE layer",
                      "a MoE model (at least one layer with routed experts)")
+        self._model_type(arch, file)
+        try:  # the attention's fields, which the KV cache and the attention tensors follow
+            arch.attention_cache(self.config, file)
+        except CheckpointError as exc:
+            self.add_error("config", exc)
         fields = self._model_fields()
         self._sizes(fields, file)
         experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -465,11 +465,30 @@ class _Check:
                              "num_experts_per_tok")
         return arch, structures
 
+    def _model_type(self, arch: Architecture, file: str) -> None:
+        """transformers picks the config class by ``model_type``: it must be the class's."""
+        if not arch.model_types:
+            return
+        value = (self.config or {}).get("model_type")
+        accepted = (f"model_type {' or '.join(repr(t) for t in arch.model_types)} (what "
+                    f"transformers maps {arch.name} to)")
+        if value is None:
+            self.add("config", file, "has no model_type, by which transformers picks the "
+                     "config class it builds the model from", accepted)
+        elif value not in arch.model_types:
+            self.add("config", file, f"model_type is {value!r}, but architectures names "
+                     f"{arch.name}: transformers would read the file with the config class of "
+                     f"{value!r}, not {arch.name}'s", accepted)
+
     def _sizes(self, fields: dict, file: str) -> None:
         """The sizes the model is built from are positive integers, and attention heads group."""
         where = "text_config." if fields is not self.config else ""
         for key in _SIZE_FIELDS:
             value = fields.get(key)
+            if value is None and key in fields and key in _NOT_NULL_FIELDS:
+                self.add("config", file, f"{where}{key} is null; transformers' config class "
+                         "refuses a null here", f"a positive integer, or no {key!r} key")
+                continue
             if value is None:  # transformers' config class then gives its default
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -580,9 +599,11 @@ class _Check:
         mapped: dict[str, str] | None = None
         if index.exists():
             try:
-                data = json.loads(index.read_text())
-            except (OSError, ValueError, RecursionError):
-                return False  # reported by check_json / check_folder
+                data, problem = read_json_file(index)
+            except OSError:
+                return False  # reported by check_folder
+            if problem:
+                return False  # reported by check_json
             try:
                 weight_map = weight_map_of(data, index)
             except HeaderError as exc:
@@ -794,9 +815,16 @@ class _Check:
     def _embeddings(self) -> None:
         f = self._model_fields()
         vocab, hidden = f.get("vocab_size"), f.get("hidden_size")
+        where = "text_config." if f is not self.config else ""
         for name, meta in self.tensors.items():
             if not (name.endswith("embed_tokens.weight") or name == "lm_head.weight"):
                 continue
+            if "vocab_size" not in f and len(meta.shape) == 2:
+                self.add("tensors", str(self.folder / CONFIG),
+                         f"has no {where}vocab_size, so transformers would build the embeddings "
+                         f"at its config class's default size, but tensor {name!r} holds "
+                         f"{meta.shape[0]} rows", f"{where}vocab_size {meta.shape[0]}")
+                return
             if isinstance(vocab, int) and isinstance(hidden, int) and tuple(meta.shape) != (
                     vocab, hidden):
                 self.add("tensors", f"{self.folder / meta.file}: tensor {name!r}",

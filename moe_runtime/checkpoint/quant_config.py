@@ -50,20 +50,69 @@ def _accepted(include_mixed: bool) -> str:
     return ", ".join(repr(n) for n in names)
 
 
+class _Constant(float):
+    """A NaN or Infinity literal met while parsing (Python's json reads them; JSON has none)."""
+
+    def __new__(cls, literal: str):
+        value = super().__new__(cls, literal.replace("Infinity", "inf"))
+        value.literal = literal
+        return value
+
+
+def _constant_at(value: Any, where: str = "") -> str | None:
+    """``"key.sub[2] is NaN"`` for the first non-JSON literal inside ``value``, else ``None``."""
+    if isinstance(value, _Constant):
+        return f"{where or 'the value'} is {value.literal}"
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        found = _constant_at(item, f"{where}[{key}]" if isinstance(key, int)
+                             else f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def read_json_file(path: Path) -> tuple[Any, tuple[str, str] | None]:
+    """``(data, None)``, or ``(None, (problem, accepted))`` when ``path`` holds no strict JSON.
+
+    Strict: UTF-8 text (no byte-order mark), no ``NaN``/``Infinity`` literals (Python's json
+    reads them, JSON and every other reader refuse them), not nested past Python's recursion
+    limit. An unreadable file raises ``OSError`` (the folder rule reports it).
+    """
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, (f"is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                      f"cannot be decoded ({exc.reason})", "a JSON object in UTF-8")
+    try:
+        data = json.loads(text, parse_constant=_Constant)
+    except json.JSONDecodeError as exc:
+        truncated = not text.rstrip().endswith(("}", "]"))
+        return None, (f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+                      + (" (the file looks truncated)" if truncated else ""),
+                      "a complete JSON object")
+    except RecursionError:
+        return None, ("JSON nested too deeply to read", "a JSON object")
+    found = _constant_at(data)
+    if found:
+        return None, (f"{found}, which is not JSON (JSON numbers are finite; Python writes NaN "
+                      "and Infinity for float values it cannot express)",
+                      "finite numbers (or null where the field may be absent)")
+    return data, None
+
+
 def load_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; a missing file, bad JSON or a non-object: CheckpointError."""
     try:
-        text = path.read_text()
+        data, problem = read_json_file(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(
-            f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
+    if problem:
+        raise CheckpointError(f"{path}: {problem[0]}; accepted: {problem[1]}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

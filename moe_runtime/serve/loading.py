@@ -106,11 +106,17 @@ def load_for_serving(
             path, device, deployment, registry, tuning_cache=tuning_cache)
         if plan is not None:  # the experts as the planned backends hold them (a float32 copy)
             require_memory_for_plan(report, plan)
+        # the sampling defaults are read before the weights, so a bad file fails in seconds
+        defaults = {}
+        if generation_config is not None:
+            defaults = generation_defaults(path if generation_config == "auto"
+                                           else Path(generation_config))
         from tqdm.auto import tqdm
         from transformers import AutoTokenizer, GenerationConfig
 
         from moe_runtime.integration.transformers import load_model
 
+        _require_transformers_config(path)
         tok_dir = Path(tokenizer) if tokenizer is not None else path
         tokenizer = _load_tokenizer(AutoTokenizer, tok_dir, given=tokenizer is not None)
         if chat_template is not None:
@@ -126,10 +132,6 @@ def load_for_serving(
     model = loaded.model
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    defaults = {}
-    if generation_config is not None:
-        defaults = generation_defaults(path if generation_config == "auto"
-                                       else Path(generation_config))
     return attrs.evolve(loaded, tokenizer=tokenizer, name=path.name,
                         generation_defaults=defaults)
 
@@ -173,15 +175,17 @@ def _load_tokenizer(auto, folder: Path, *, given: bool):
 
 def generation_defaults(folder: Path) -> dict:
     """Sampling defaults set by ``folder/generation_config.json`` (request field names)."""
-    import json
-
     file = folder / "generation_config.json"
     if not file.is_file():
         return {}
+    from moe_runtime.checkpoint import CheckpointError
+    from moe_runtime.checkpoint.quant_config import load_json
+
     try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
+        data = load_json(file)
+    except CheckpointError as exc:
+        raise LoadError(f"{exc} (fix the file, or serve with --generation-config vllm to "
+                        "ignore it)") from exc
     out = {}
     for key, field in SAMPLING_DEFAULTS.items():
         value = data.get(key) if isinstance(data, dict) else None
@@ -208,18 +212,32 @@ def _check_sampling_defaults(file: Path, defaults: dict) -> None:
                         "at least 1 (or serve with --generation-config vllm to ignore it)")
 
 
-def _require_served_architecture(path: Path) -> None:
-    """Refuse an architecture that the table marks as not served, naming those that are."""
-    import json
-
-    from moe_runtime.checkpoint.architectures import architecture_of, served_families
+def _require_transformers_config(path: Path) -> None:
+    """config.json as transformers' config class reads it: its own validation (a field of the
+    wrong type, a null where it needs a number) is refused here, naming the file, rather than
+    surfacing from whichever loader reads the config first (the tokenizer's, whose error would
+    blame the tokenizer)."""
+    from transformers import AutoConfig
 
     file = path / "config.json"
     try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoadError(f"{file}: cannot be read as JSON: {exc}") from exc
-    arch = architecture_of(config, str(file))
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises ValueError, TypeError, its own dataclass errors
+        detail = " ".join(str(exc).split())
+        raise LoadError(f"{file}: transformers' config class refuses it: {detail}") from exc
+
+
+def _require_served_architecture(path: Path) -> None:
+    """Refuse an architecture that the table marks as not served, naming those that are."""
+    from moe_runtime.checkpoint import CheckpointError
+    from moe_runtime.checkpoint.architectures import architecture_of, served_families
+    from moe_runtime.checkpoint.quant_config import load_json
+
+    file = path / "config.json"
+    try:
+        arch = architecture_of(load_json(file), str(file))
+    except CheckpointError:
+        return  # the checkpoint check, which runs next, reports it with everything else found
     if not arch.served:
         served = "; ".join(f"{family} ({', '.join(names)})"
                            for family, names in served_families().items())

@@ -74,6 +74,15 @@ def write_text(name: str, text: str):
     return lambda folder: (folder / name).write_text(text)
 
 
+def edit_raw(name: str, change: Callable[[bytes], bytes]):
+    def apply(folder: Path) -> None:
+        before = (folder / name).read_bytes()
+        after = change(before)
+        assert after != before, f"the damage changed nothing in {name}"
+        (folder / name).write_bytes(after)
+    return apply
+
+
 def truncate(name: str, keep: float = 0.5):
     def apply(folder: Path) -> None:
         data = (folder / name).read_bytes()
@@ -145,6 +154,10 @@ def set_config(**fields):
     return edit_json("config.json", lambda d: d.update(fields))
 
 
+def delete_config(*keys: str):
+    return edit_json("config.json", lambda d: [d.pop(k) for k in keys])
+
+
 def set_experts(count: int):
     def change(d):
         key = next(k for k in ("num_experts", "num_local_experts") if k in d)
@@ -197,6 +210,19 @@ DAMAGES = [
            "folder", ["hf_quant_config.json", "is a directory"]),
     Damage("index_not_an_object", "qwen3_fp8", write_text(INDEX, "[]"), "json",
            [INDEX, "not an object"]),
+    Damage("config_not_utf8", "qwen3_fp8", edit_raw("config.json", lambda b: b.replace(
+        b'"qwen3_moe"', b'"qwen3\xff_moe"')), "json",
+           ["config.json", "is not UTF-8 text", "byte 0xff", "a JSON object in UTF-8"]),
+    Damage("config_nan_literal", "qwen3_nvfp4", edit_raw("config.json", lambda b: b.replace(
+        b'"rms_norm_eps": 1e-06', b'"rms_norm_eps": NaN')), "json",
+           ["config.json", "rms_norm_eps is NaN", "not JSON", "finite numbers"]),
+    Damage("quant_config_infinity_literal", "qwen3_mixed", edit_raw(
+        "hf_quant_config.json", lambda b: b.replace(b'"group_size": 16', b'"group_size": Infinity',
+                                                    1)), "json",
+           ["hf_quant_config.json", "group_size is Infinity", "not JSON"]),
+    Damage("config_nested_too_deeply", "qwen3_fp8",
+           write_text("config.json", "[" * 100_000 + "]" * 100_000), "json",
+           ["config.json", "nested too deeply"]),
     # the quantization config
     Damage("unknown_algorithm", "qwen3_nvfp4",
            both_quant_configs(lambda q: q.update(quant_algo="NVFP5")), "quantization",
@@ -247,6 +273,16 @@ DAMAGES = [
            ["num_attention_heads 4", "num_key_value_heads 3"]),
     Damage("size_of_the_wrong_type", "qwen3_mixed", set_config(head_dim="16"), "config",
            ["head_dim is '16'", "a positive integer"]),
+    Damage("size_null", "qwen3_mixed", set_config(vocab_size=None), "config",
+           ["vocab_size is null", "refuses a null", "a positive integer, or no 'vocab_size' key"]),
+    Damage("config_without_model_type", "qwen3_fp8", delete_config("model_type"), "config",
+           ["config.json", "has no model_type", "model_type 'qwen3_moe'"]),
+    Damage("model_type_of_another_architecture", "mixtral_nvfp4", set_config(model_type="qwen3_moe"),
+           "config", ["model_type is 'qwen3_moe'", "MixtralForCausalLM", "model_type 'mixtral'"]),
+    Damage("config_without_attention_heads", "qwen3_fp8", delete_config("num_attention_heads"),
+           "config", ["config.json", "missing 'num_attention_heads'"]),
+    Damage("config_without_vocab_size", "qwen3_nvfp4", delete_config("vocab_size"), "tensors",
+           ["config.json", "has no vocab_size", "rows", "accepted: vocab_size "]),
     Damage("router_shape_disagrees", "qwen3_fp8",
            edit_tensors(lambda t: t.__setitem__("model.layers.0.mlp.gate.weight",
                                                 t["model.layers.0.mlp.gate.weight"][:6])),
@@ -476,7 +512,8 @@ def test_debug_shows_the_traceback_of_an_unexpected_error(monkeypatch, capsys, q
 
 # --------------------------------------------------------------- serve refuses at start-up
 
-SERVE_DAMAGES = ["weight_scale_2_nan", "layer_algorithms_disagree", "huge_expert_intermediate_size"]
+SERVE_DAMAGES = ["weight_scale_2_nan", "layer_algorithms_disagree", "huge_expert_intermediate_size",
+                 "config_nested_too_deeply"]
 
 
 @pytest.mark.parametrize("damage_id", SERVE_DAMAGES)
@@ -494,6 +531,23 @@ def test_serve_refuses_a_damaged_checkpoint_at_start_up(damage_id, damaged):
     assert all(n in text for n in damage.needles), text
     assert "serving '" not in text  # no half-started server
     assert time.monotonic() - started < 120
+
+
+def test_serve_names_config_json_when_transformers_refuses_a_field(qwen3_fp8, tmp_path):
+    """A null the check lets by (transformers' config class decides which fields take one) is
+    refused naming config.json and the field, not blamed on the tokenizer that read it first."""
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    set_config(num_experts=None)(folder)
+    assert check_checkpoint(folder, machine=None).ok
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--model", str(folder),
+                           "--port", "0", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text and "serving '" not in text
+    assert f"{folder / 'config.json'}: transformers' config class refuses it" in text, text
+    assert "num_experts" in text and "tokenizer" not in text.split("error:")[-1]
 
 
 # ------------------------------------------------------------ damage that no list above names
