@@ -684,7 +684,8 @@ class _Check:
         layers: list[MoELayerInfo] = []
         for s in structures:
             name = arch.experts_name(prefix, s.index)
-            members = [f"{e}.{p}" for e in range(s.num_experts) for p in arch.expert_names]
+            stored = self._expert_bound(name, s.num_experts)
+            members = [f"{e}.{p}" for e in range(stored) for p in arch.expert_names]
             try:
                 quant = resolve_module(spec, name, members=members, moe=True)
             except CheckpointError as exc:
@@ -760,6 +761,13 @@ class _Check:
                      f"num_hidden_layers {beyond[-1] + 1 - (limit - declared)} (the layers the "
                      "tensors hold), or tensors of the declared layers only")
 
+    def _expert_bound(self, container: str, declared: int) -> int:
+        """The experts of ``container`` worth checking one by one: the declared count, but never
+        more than one past the highest the tensors hold (a config declaring 10**30 experts is
+        one finding, not 10**30 tensor names)."""
+        stored = self.stored_experts().get(container)
+        return min(declared, (max(stored) if stored else 0) + 1)
+
     def _experts(self, layer: MoELayerInfo) -> None:
         fmt = layer.quant.format
         layout = LAYOUTS.get(fmt)
@@ -777,7 +785,15 @@ class _Check:
                 return
         gate, up, down = layer.expert_names
         problems: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for e in range(layer.num_experts):
+        bound = self._expert_bound(layer.name, layer.num_experts)
+        if bound < layer.num_experts and bound > 1:  # bound 1: no expert stored, reported below
+            self.add("tensors", where,
+                     f"the config declares {layer.num_experts} experts, but the tensors hold "
+                     f"none past expert {bound - 1}: tensor "
+                     f"'{layer.expert_module(bound, gate)}.weight' is missing, and so are those of "
+                     f"every expert up to {layer.num_experts - 1}",
+                     f"a config whose expert count matches the tensors ({bound})")
+        for e in range(bound):
             for proj, out, inp in ((gate, i, h), (up, i, h), (down, h, i)):
                 module = layer.expert_module(e, proj)
                 for tensor, dtypes, shape in layout.expected(module, out, inp):

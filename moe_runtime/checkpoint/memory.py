@@ -227,7 +227,9 @@ def estimate_memory(config: dict[str, Any], moe_layers, *, kv_cache_quant_algo: 
     if moe_layers:
         first = moe_layers[0]
         # the busiest rank: rank 0 holds the most experts (moe_runtime.placement)
-        local = [len(local_experts(m.num_experts, max(1, ep_size), 0)) for m in moe_layers]
+        # stop - start, not len(): a range past sys.maxsize (a config's 10**30 experts) has none
+        local = [(r := local_experts(m.num_experts, max(1, ep_size), 0)).stop - r.start
+                 for m in moe_layers]
         held, copies = _held_bytes_per_weight(moe_layers, plan, dbytes)
         expert_bytes = sum(
             n * 3 * m.hidden_size * m.intermediate_size * b
