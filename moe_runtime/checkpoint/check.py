@@ -68,6 +68,7 @@ from moe_runtime.checkpoint.tensors import (
     HeaderError,
     TensorMeta,
     header_entry_problem,
+    layout_problem,
     read_header,
     weight_map_of,
 )
@@ -672,6 +673,12 @@ class _Check:
             self.add("safetensors", where, bad[0] + _more(len(bad) - 1),
                      f"header entries {{dtype, shape, data_offsets}} with a known dtype, whose "
                      f"bytes lie within the file's {data_size} data bytes")
+            return
+        problem = layout_problem(header)
+        if problem:
+            self.add("safetensors", where, problem + " (the safetensors library refuses such a "
+                     "file when it opens it)", "tensors whose data_offsets follow one another "
+                     "from 0 to the end of the file, none overlapping, no bytes left over")
 
     # ------------------------------------------------------------------------- 6. tensors
 

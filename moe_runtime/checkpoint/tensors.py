@@ -108,8 +108,37 @@ def read_header(path: Path) -> SafetensorsHeader:
     if not isinstance(header, dict):
         raise HeaderError(path, "the header is not a JSON object",
                           "a JSON object of tensor name -> {dtype, shape, data_offsets}")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise HeaderError(path, f"the header's __metadata__ is {_short(metadata)}; the "
+                          "safetensors library refuses anything else",
+                          "__metadata__ as an object of string -> string (or none)")
     return SafetensorsHeader(header, size, file_size)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def layout_problem(header: SafetensorsHeader) -> str | None:
+    """Why the (individually valid) entries do not tile the data bytes as the safetensors
+    library requires: in offset order each tensor starts where the one before ends, and the last
+    ends at the end of the file; ``None`` if they do."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name)
+                   for name, e in header.entries.items())
+    at = 0
+    for start, end, name in spans:
+        if start != at:
+            return (f"tensor {name!r} starts at data byte {start}, but the tensor before it ends "
+                    f"at {at}: " + ("their bytes overlap" if start < at else
+                                    f"{start - at} bytes between them belong to no tensor"))
+        at = end
+    if at != header.data_size:
+        return (f"its tensors end at data byte {at} but the file holds {header.data_size} data "
+                f"bytes: {header.data_size - at} bytes after the last tensor belong to none")
+    return None
 
 
 def header_entry_problem(meta, data_size: int) -> str | None:
@@ -127,6 +156,8 @@ def header_entry_problem(meta, data_size: int) -> str | None:
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         return f"has data_offsets {offsets!r}, not [start, end]"
     start, end = offsets
+    if 0 <= end < start:
+        return f"has data_offsets [{start}, {end}]: it would start after it ends"
     if not 0 <= start <= end <= data_size:
         return (f"has data_offsets [{start}, {end}] outside the file's {data_size} data bytes "
                 "(a truncated file?)")

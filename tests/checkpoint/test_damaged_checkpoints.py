@@ -331,6 +331,21 @@ DAMAGES = [
     Damage("shape_and_offsets_disagree", "qwen3_fp8",
            edit_header(lambda h: h[f"{EXPERT}.gate_proj.weight"].update(shape=[64, 64])),
            "safetensors", [f"{EXPERT}.gate_proj.weight", "data_offsets span"]),
+    Damage("bytes_after_the_last_tensor", "qwen3_fp8", edit_bytes(lambda b: b + b"\0" * 64),
+           "safetensors", [WEIGHTS, "64 bytes after the last tensor belong to none"]),
+    Damage("overlapping_tensors", "qwen3_fp8", edit_header(lambda h: h[f"{EXPERT}.up_proj.weight"]
+                                                           .update(data_offsets=h[
+                                                               f"{EXPERT}.gate_proj.weight"][
+                                                               "data_offsets"])),
+           "safetensors", [WEIGHTS, f"{EXPERT}.", "their bytes overlap"]),
+    Damage("offsets_reversed", "qwen3_fp8", edit_header(lambda h: h[f"{EXPERT}.gate_proj.weight"]
+                                                        .update(data_offsets=h[
+                                                            f"{EXPERT}.gate_proj.weight"][
+                                                            "data_offsets"][::-1])),
+           "safetensors", [f"{EXPERT}.gate_proj.weight", "start after it ends"]),
+    Damage("metadata_not_strings", "qwen3_nvfp4", edit_header(lambda h: h.update(
+        __metadata__={"format": 5})), "safetensors",
+           [WEIGHTS, "__metadata__ is {'format': 5}", "string -> string"]),
     Damage("index_names_a_missing_shard", "qwen3_nvfp4",
            write_index(moved=f"{EXPERT}.gate_proj.weight"), "index",
            [INDEX, "model-00002-of-00002.safetensors", "missing"]),
@@ -516,7 +531,7 @@ def test_debug_shows_the_traceback_of_an_unexpected_error(monkeypatch, capsys, q
 # --------------------------------------------------------------- serve refuses at start-up
 
 SERVE_DAMAGES = ["weight_scale_2_nan", "layer_algorithms_disagree", "huge_expert_intermediate_size",
-                 "config_nested_too_deeply"]
+                 "config_nested_too_deeply", "bytes_after_the_last_tensor"]
 
 
 @pytest.mark.parametrize("damage_id", SERVE_DAMAGES)
