@@ -220,12 +220,22 @@ def _int(value: Any, *, file: str, key: str) -> int | None:
     return value
 
 
+_KV_ALGOS = ("FP8", "NVFP4", "INT8")  # what ModelOpt's kv_cache_quant_algo names
+
+
 def _kv_algo(value: Any, *, file: str, key: str) -> str | None:
     """``kv_cache_quant_algo`` (a string) or ``kv_cache_scheme`` (a string or a dict)."""
     if value is None:
         return None
     if isinstance(value, str):
-        return None if value.strip().upper() in ("", "NONE") else value.strip().upper()
+        name = value.strip().upper()
+        if name in ("", "NONE"):
+            return None
+        if name in _KV_ALGOS:
+            return name
+        raise CheckpointError(
+            f"{file}: {key} is {value!r}, which is no KV-cache quantization moe-runtime knows; "
+            f"accepted: {', '.join(repr(a) for a in _KV_ALGOS)} or null")
     if isinstance(value, dict):
         bits, kind = value.get("num_bits"), str(value.get("type", "float")).lower()
         if kind == "float" and bits == 8:
