@@ -31,6 +31,9 @@ def _tuple(items) -> tuple:
     return tuple(items)
 
 
+#: the device kinds a :class:`Hardware` record may name
+DEVICES = frozenset({"cpu", "cuda"})
+
 _CAP_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 
@@ -165,6 +168,24 @@ class Hardware:
     cuda_capabilities: tuple[CapabilityRange, ...] = attrs.field(converter=_tuple, default=())
     requires: tuple[str, ...] = attrs.field(converter=_tuple, default=())
 
+    @devices.validator
+    def _check_devices(self, _attr, value):
+        unknown = sorted(value - DEVICES)
+        if unknown or not value:
+            raise ValueError(
+                f"Hardware(devices={sorted(value)!r}): "
+                + (f"unknown device kind(s) {', '.join(map(repr, unknown))}; " if unknown
+                   else "no device kind; ")
+                + f"accepted: a non-empty subset of {sorted(DEVICES)}")
+
+    @cuda_capabilities.validator
+    def _check_capabilities(self, _attr, value):
+        bad = [r for r in value if not isinstance(r, CapabilityRange)]
+        if bad:
+            raise ValueError(
+                f"Hardware(cuda_capabilities=...): {bad[0]!r} is not a CapabilityRange; write "
+                "CapabilityRange('9.0') for 9.0 and newer, CapabilityRange.exactly('9.0') for one")
+
     def describe_capabilities(self) -> str:
         if not self.cuda_capabilities:
             return "any"
@@ -219,9 +240,23 @@ class Support:
     payloads: frozenset[str] = attrs.field(converter=_fs, default=frozenset({F.UNQUANTIZED}))
     hardware: Hardware = attrs.field(factory=Hardware)
     runs_as: str | None = None
-    shape_multiple: int = 1
+    shape_multiple: int = attrs.field(default=1)
     note: str = ""
     prepared_bytes_per_weight: float | None = None
+
+    @shape_multiple.validator
+    def _check_shape_multiple(self, _attr, value):
+        if not _is_count(value):
+            raise ValueError(
+                f"the Support block of {_listed(self.formats)} declares shape_multiple={value!r}; "
+                "accepted: a positive integer (1: any size)")
+
+    @hardware.validator
+    def _check_hardware(self, _attr, value):
+        if not isinstance(value, Hardware):
+            raise ValueError(
+                f"the Support block of {_listed(self.formats)} declares hardware={value!r}; "
+                "accepted: a Hardware(devices=..., cuda_capabilities=..., requires=...) record")
 
     def check(
         self,
@@ -279,11 +314,34 @@ class Support:
         return self.runs_as or fmt
 
 
-def _check_backend(spec, supports, what: str) -> None:
+def _is_count(value) -> bool:
+    """A positive int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def _check_backend(spec, supports, what: str, kind) -> None:
+    if not isinstance(spec.name, str) or not re.match(r"^[A-Za-z0-9_.-]+$", spec.name):
+        raise ValueError(
+            f"{spec.role} backend name {spec.name!r}: accepted: a non-empty string of letters, "
+            "digits, '_', '-' and '.' (what --moe-runner-backend and conformance take)")
     if not supports:
         raise ValueError(f"{spec.role} backend {spec.name!r} declares no {what}")
-    if ":" not in spec.factory:
-        raise ValueError(f"backend {spec.name!r}: factory {spec.factory!r} must be 'module:Class'")
+    bad = [s for s in supports if not isinstance(s, kind)]
+    if bad:
+        raise ValueError(
+            f"{spec.role} backend {spec.name!r}: supports holds {bad[0]!r}; accepted: "
+            f"{kind.__name__} records")
+    if not isinstance(spec.factory, str) or not _FACTORY_RE.match(spec.factory):
+        raise ValueError(
+            f"{spec.role} backend {spec.name!r}: factory {spec.factory!r} must be 'module:Class' "
+            "(a dotted module path, a colon, the class), e.g. 'moe_runtime_mine.experts:MyExperts'")
+    if not isinstance(spec.priority, int) or isinstance(spec.priority, bool):
+        raise ValueError(
+            f"{spec.role} backend {spec.name!r} declares priority={spec.priority!r}; accepted: an "
+            "integer (higher wins; reference is 0, triton 30)")
 
 
 def is_bytes_per_weight(value) -> bool:
@@ -335,7 +393,7 @@ class ExpertsBackendSpec:
 
     @supports.validator
     def _check(self, _attr, value):
-        _check_backend(self, value, "Support block")
+        _check_backend(self, value, "Support block", Support)
         for support in value:
             _check_prepared_bytes(self.name, support)
 
@@ -399,6 +457,27 @@ class CommSupport:
     mode: str = "default"
     world_sizes: frozenset[int] | None = attrs.field(
         default=None, converter=attrs.converters.optional(frozenset))
+
+    def __attrs_post_init__(self):
+        where = f"communication mode {self.mode!r}"
+        if not _is_count(self.min_world_size):
+            raise ValueError(f"{where} declares min_world_size={self.min_world_size!r}; "
+                             "accepted: a positive integer")
+        if self.max_world_size is not None and not (
+                _is_count(self.max_world_size) and self.max_world_size >= self.min_world_size):
+            raise ValueError(f"{where} declares max_world_size={self.max_world_size!r}; "
+                             f"accepted: None (any) or an integer >= min_world_size "
+                             f"({self.min_world_size})")
+        if self.world_sizes is not None and (
+                not self.world_sizes or not all(_is_count(n) for n in self.world_sizes)):
+            raise ValueError(f"{where} declares world_sizes={sorted(self.world_sizes)!r}; "
+                             "accepted: None or a non-empty set of positive integers")
+        if self.max_tokens_per_rank is not None and not _is_count(self.max_tokens_per_rank):
+            raise ValueError(f"{where} declares max_tokens_per_rank={self.max_tokens_per_rank!r}; "
+                             "accepted: None (unbounded) or a positive integer")
+        if not isinstance(self.hardware, Hardware):
+            raise ValueError(f"{where} declares hardware={self.hardware!r}; accepted: a "
+                             "Hardware(...) record")
 
     def allows_world_size(self, n: int) -> bool:
         if self.world_sizes is not None:
@@ -464,7 +543,7 @@ class CommBackendSpec:
 
     @supports.validator
     def _check(self, _attr, value):
-        _check_backend(self, value, "mode")
+        _check_backend(self, value, "mode", CommSupport)
 
     def requires(self) -> frozenset[str]:
         return _requires(self.supports)
@@ -478,15 +557,44 @@ class CommBackendSpec:
         return [s for s in self.supports if s.check(environment, **kwargs)]
 
 
-def load_factory(factory: str):
-    """Import ``"module:Class"`` and return the object (only when a backend is selected)."""
+class FactoryError(ImportError):
+    """A backend's ``"module:Class"`` factory names something that is not a class."""
+
+
+def _reraise(exc: Exception, message: str):
+    """``exc``'s own type with ``message`` (callers catching ImportError or AttributeError still
+    do), or :class:`FactoryError` where that type cannot carry a message."""
+    try:
+        new = type(exc)(message)
+    except Exception:
+        new = FactoryError(message)
+    raise new from exc
+
+
+def load_factory(factory: str, backend: str | None = None):
+    """Import ``"module:Class"`` and return the object (only when a backend is selected).
+
+    A module that does not import, or an attribute it lacks, raises the same kind of error with a
+    message naming the backend (when given), the factory and what went wrong."""
     import importlib
 
+    who = f"backend {backend!r}: " if backend else ""
     module_name, _, attr = factory.partition(":")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        _reraise(exc, f"{who}factory {factory!r} does not load: importing {module_name!r} raised "
+                      f"{type(exc).__name__}: {exc}")
     obj = module
     for part in attr.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            _reraise(exc, f"{who}factory {factory!r} does not load: module {module_name!r} has "
+                          f"no attribute {attr!r}")
+    if not callable(obj):
+        raise FactoryError(f"{who}factory {factory!r} names a {type(obj).__name__} object, not a "
+                           "class")
     return obj
 
 

@@ -25,6 +25,17 @@ class RegistryError(PluginError):
     """Two plugins declared the same backend or format name, or a declaration is invalid."""
 
 
+class _PluginFault(RegistryError):
+    """What one plugin declared is invalid (its hook raised, or a record names something unknown).
+
+    An entry-point plugin at fault is reported as failed and skipped, as one that fails to import
+    (fatal in strict mode); the built-in plugin and plugins passed in explicitly raise."""
+
+    def __init__(self, plugin: str, message: str) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+
+
 @attrs.frozen
 class Registered:
     """A declaration and the plugin that made it."""
@@ -39,13 +50,13 @@ def _check_weight_format(fmt: F.WeightFormat, plugin: str) -> None:
     hooks = ("moe-runtime has no hook through which a plugin could supply the loading, "
              "quantization, dequantization and reference of another storage")
     if fmt.encoding not in F.ENCODINGS:
-        raise RegistryError(
+        raise _PluginFault(plugin,
             f"weight format {fmt.name!r} (plugin {plugin!r}) has encoding {fmt.encoding!r}; "
             f"set encoding= to one of {', '.join(sorted(F.ENCODINGS))} ({hooks})")
     try:
         F.builtin_twin(fmt)
     except ValueError as exc:
-        raise RegistryError(f"plugin {plugin!r}: {exc} ({hooks})") from None
+        raise _PluginFault(plugin, f"plugin {plugin!r}: {exc} ({hooks})") from None
 
 
 @attrs.define
@@ -62,12 +73,41 @@ class Registry:
 
     @classmethod
     def from_plugin_manager(cls, pm: MoEPluginManager) -> Registry:
-        reg = cls(plugin_infos=tuple(getattr(pm, "plugin_infos", ())),
-                  options=getattr(pm, "options", None) or PluginOptions())
-        _call_each(pm.hook.moe_runtime_register_formats, reg._add_format)
-        _call_each(pm.hook.moe_runtime_register_backends, reg._add_backend)
-        reg._validate()
-        return reg
+        """Call every plugin's hooks and check what they declared.
+
+        A plugin whose hook raises, or whose declaration is invalid (an unknown format, payload,
+        layout or activation, a ``runs_as`` that is not the format's weight-only variant, a
+        quantized payload no format of its block is calibrated for), is at fault: an entry-point
+        plugin is then reported as ``failed`` with the reason and skipped, like one that fails to
+        import, and is fatal in strict mode; the built-in plugin and plugins passed in explicitly
+        raise :class:`RegistryError`. Two plugins declaring one name raise in every mode."""
+        options = getattr(pm, "options", None) or PluginOptions()
+        infos = list(getattr(pm, "plugin_infos", ()))
+        skipped: set[str] = set()
+        while True:
+            reg = cls(plugin_infos=tuple(infos), options=options)
+            try:
+                _call_each(pm.hook.moe_runtime_register_formats, reg._add_format, skipped)
+                _call_each(pm.hook.moe_runtime_register_backends, reg._add_backend, skipped)
+                reg._validate()
+                return reg
+            except _PluginFault as fault:
+                k = next((k for k, i in enumerate(infos) if i.name == fault.plugin), None)
+                info = infos[k] if k is not None else None
+                dist = info.distribution if info is not None else None
+                where = f"plugin {fault.plugin!r}" + (
+                    f" from distribution {dist!r}" if dist else "")
+                message = f"{where} declares something invalid: {fault}"
+                tolerated = (info is not None and dist is not None and info.name != "builtin"
+                             and not options.strict)
+                if not tolerated:
+                    raise RegistryError(message) from fault.__cause__
+                skipped.add(fault.plugin)
+                infos[k] = attrs.evolve(info, status="failed", error=message)
+                if hasattr(pm, "plugin_infos"):
+                    pm.plugin_infos[:] = infos
+                if pm.get_plugin(fault.plugin) is not None:
+                    pm.unregister(name=fault.plugin)
 
     @classmethod
     def load(cls, **kwargs) -> Registry:
@@ -80,7 +120,7 @@ class Registry:
         elif isinstance(item, F.Payload):
             table, what = self.payloads, "payload"
         else:
-            raise RegistryError(
+            raise _PluginFault(plugin,
                 f"plugin {plugin!r} registered {item!r}; moe_runtime_register_formats accepts "
                 "WeightFormat or Payload"
             )
@@ -99,7 +139,7 @@ class Registry:
         elif isinstance(spec, CommBackendSpec):
             table = self.comms
         else:
-            raise RegistryError(
+            raise _PluginFault(plugin,
                 f"plugin {plugin!r} registered {spec!r}; moe_runtime_register_backends accepts "
                 "ExpertsBackendSpec or CommBackendSpec"
             )
@@ -113,30 +153,67 @@ class Registry:
         table[spec.name] = Registered(spec, plugin)
 
     def _validate(self) -> None:
-        """Every name a declaration uses must be a registered format/payload/layout."""
+        """Every name a declaration uses must be registered (formats, payloads) or known
+        (layouts, activations); a block's ``runs_as`` must be its formats' weight-only variant,
+        and each quantized payload it accepts must be the calibrated payload of one of them."""
         for reg in self.experts.values():
             for s in reg.spec.supports:
-                for fmt in s.formats | ({s.runs_as} if s.runs_as else set()):
+                for fmt in sorted(s.formats | ({s.runs_as} if s.runs_as else set())):
                     if fmt not in self.formats:
-                        raise RegistryError(
+                        raise _PluginFault(reg.plugin,
                             f"experts backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares "
                             f"unknown format {fmt!r}; registered formats: {sorted(self.formats)}"
                         )
                 self._check_common(reg, s.payloads, s.layouts)
+                self._check_block(reg, s)
         for reg in self.comms.values():
             for s in reg.spec.supports:
                 self._check_common(reg, s.payloads, {s.layout})
 
+    def _check_block(self, reg: Registered, s) -> None:
+        name, plugin = reg.spec.name, reg.plugin
+        block = f"experts backend {name!r} (plugin {plugin!r}), the Support block of " + (
+            ", ".join(sorted(s.formats)))
+        unknown = sorted(s.activations - F.ACTIVATIONS)
+        if unknown:
+            raise _PluginFault(plugin,
+                f"{block}, declares unknown activation(s) {', '.join(map(repr, unknown))}; known "
+                f"activations: {sorted(F.ACTIVATIONS)}")
+        if not s.activations or not s.layouts or not s.payloads:
+            empty = [f for f in ("activations", "layouts", "payloads") if not getattr(s, f)]
+            raise _PluginFault(plugin, f"{block}, declares no {', no '.join(empty)}; a block "
+                                       "promises every combination of its sets")
+        if s.runs_as is not None:
+            wrong = sorted(f for f in s.formats
+                           if f != s.runs_as and self.formats[f].spec.weight_only != s.runs_as)
+            if wrong:
+                variants = {f: self.formats[f].spec.weight_only for f in wrong}
+                raise _PluginFault(plugin,
+                    f"{block}, declares runs_as={s.runs_as!r}; a format runs only as its "
+                    f"declared weight-only variant, and "
+                    + "; ".join(f"{f} has " + (repr(v) if v else "none") for f, v in
+                                variants.items())
+                    + " (split the block, or drop runs_as)")
+        for p in sorted(s.payloads - {F.UNQUANTIZED}):
+            if not any(self.formats[s.runs(f)].spec.activation_payload == p for f in s.formats):
+                calibrated = sorted(n for n, r in self.formats.items()
+                                    if r.spec.activation_payload == p)
+                raise _PluginFault(plugin,
+                    f"{block}, declares payload {p!r}, which none of its formats is calibrated "
+                    f"for when run as {', '.join(sorted({s.runs(f) for f in s.formats}))}: no "
+                    f"layer could ever be dispatched to it so; {p} is the activation payload of "
+                    f"{', '.join(calibrated) or 'no registered format'}")
+
     def _check_common(self, reg: Registered, payloads, layouts) -> None:
-        for p in payloads:
+        for p in sorted(payloads):
             if p not in self.payloads:
-                raise RegistryError(
+                raise _PluginFault(reg.plugin,
                     f"backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares unknown payload "
                     f"{p!r}; registered payloads: {sorted(self.payloads)}"
                 )
-        for lay in layouts:
+        for lay in sorted(layouts):
             if lay not in F.LAYOUTS:
-                raise RegistryError(
+                raise _PluginFault(reg.plugin,
                     f"backend {reg.spec.name!r} (plugin {reg.plugin!r}) declares unknown layout "
                     f"{lay!r}; known layouts: {sorted(F.LAYOUTS)}"
                 )
@@ -154,12 +231,22 @@ class Registry:
         return self.comms[name].spec
 
 
-def _call_each(hook_caller, add) -> None:
-    """Call every implementation of a ``register`` hook, telling ``add`` which plugin it was."""
+def _call_each(hook_caller, add, skipped=frozenset()) -> None:
+    """Call every implementation of a ``register`` hook, telling ``add`` which plugin it was.
+
+    An exception a plugin's hook raises (a record it cannot build, say) is that plugin's fault."""
     for impl in hook_caller.get_hookimpls():  # registration order: built-ins first
         name = impl.plugin_name
+        if name in skipped:
+            continue
 
         def register(item, _name=name):
             add(item, _name)
 
-        impl.function(**{arg: register for arg in impl.argnames})
+        try:
+            impl.function(**{arg: register for arg in impl.argnames})
+        except RegistryError:
+            raise
+        except Exception as exc:
+            raise _PluginFault(name, f"its hook {hook_caller.name} raised "
+                                     f"{type(exc).__name__}: {exc}") from exc

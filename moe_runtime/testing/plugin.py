@@ -67,8 +67,12 @@ def _selected(metafunc) -> list[str]:
     known = set(reg.experts) | set(reg.comms)
     unknown = [n for n in names if n not in known]
     if unknown:
+        failed = [i for i in reg.plugin_infos if i.status == "failed"]
+        hint = "".join(f"\n  plugin {i.name!r} ({i.distribution}) failed to load: "
+                       f"{(i.error or '').splitlines()[0] if i.error else ''}" for i in failed)
         raise pytest.UsageError(
-            f"conformance: backend(s) {unknown} are not registered; registered: {sorted(known)}")
+            f"conformance: backend(s) {unknown} are not registered; registered: {sorted(known)}"
+            + (f"; `moe-runtime plugins` lists these failed plugins:{hint}" if failed else ""))
     return names
 
 
