@@ -44,7 +44,8 @@ class Shape:
     intermediate: int
     experts: int
     top_k: int
-    routing: str = "random"  # "random" | "one_expert" | "skip_experts" | "remote_slots"
+    # "random" | "one_expert" | "skip_experts" | "remote_slots" | "every_expert"
+    routing: str = "random"
 
     @property
     def label(self) -> str:
@@ -90,6 +91,9 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         Shape("smallest_sizes_batch", 300, m, m, 4, 2),
         # enough output elements for the bias check to be reliable
         Shape("bias", 512, h, i, 8, 2),
+        # as many experts as real models have, every one of them routed to (3 slots each): an
+        # expert id mishandled past 8, 16, 32 or 64 is caught
+        Shape("many_experts", 48, h, i, 128, 8, "every_expert"),
     ]
     rh, ri = _ragged(72, m), _ragged(40, m)
     if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16

@@ -29,6 +29,10 @@ def routing(shape: Shape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     n, e, k = shape.tokens, shape.experts, shape.top_k
     if shape.routing == "one_expert":
         ids = torch.full((n, k), 3 % e, dtype=torch.int32)
+    elif shape.routing == "every_expert":  # each expert gets n*k/e slots, distinct in each row
+        assert e % k == 0 and (n * k) % e == 0, shape
+        perms = [torch.randperm(e, generator=gen) for _ in range(n * k // e)]
+        ids = torch.cat(perms).reshape(n, k).to(torch.int32)
     else:
         pool = e if shape.routing == "random" else max(k, e // 2)  # upper experts idle
         scores = torch.rand((n, pool), generator=gen)
@@ -261,28 +265,58 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     hidden = hidden_f.to(dtype)
     ids, tw = routing(case.shape, gen)
 
-    def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x):
+    replay = replay_command(case.backend, case.id, seed)
+
+    def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x, checked=False):
         bspec = registry.experts_spec(backend_name)
         setup = ExpertsSetup(problem=attrs.evolve(problem, format=w.format), runs_as=runs_as,
                              payload=payload, layout=case.layout, device=dev)
-        backend = load_factory(bspec.factory)(setup=setup)
-        backend.prepare(w.to(dev))
+        cls = load_factory(bspec.factory, backend_name)
+        w = w.to(dev)
         d, handle, comm = _dispatch_locally(problem, case.layout, x.to(dev), ids.to(dev),
                                             tw.to(dev))
         d = _with_payload(d, payload, w)
-        out = backend.forward(d)
+        if not checked:
+            out = cls(setup=setup)
+            out.prepare(w)
+            return comm.combine(out.forward(d), handle).float().cpu()
+        weights_before = _tensors_of(w)
+        stage = "construction"
+
+        def failed(exc):
+            return AssertionError(
+                f"{case.id}: {backend_name}'s {stage} raised {type(exc).__name__}: {exc}. "
+                f"Replay: {replay}")
+
+        try:
+            backend = cls(setup=setup)
+            stage = "prepare"
+            backend.prepare(w)
+        except Exception as exc:
+            raise failed(exc) from exc
+        _unchanged(case, "prepare", "ExpertWeights", weights_before, _tensors_of(w), replay)
+        inputs_before = _tensors_of(d)
+        stage = "forward"
+        try:
+            out = backend.forward(d)
+        except Exception as exc:
+            raise failed(exc) from exc
+        _unchanged(case, "forward", "Dispatched", inputs_before, _tensors_of(d), replay)
+        _check_output(case, d, out, dtype, replay)
         return comm.combine(out, handle).float().cpu()
 
     # the backend gets the weights under the case's own format name; the reference its twin's
     labelled = attrs.evolve(weights, format=case.format)
-    got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden)
+    got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden, checked=True)
     ref_runs_as = _reference_format(registry, case.runs_as)
     ref = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float())
     if got.shape != ref.shape:
         raise AssertionError(f"{case.id}: output shape {tuple(got.shape)}, reference "
-                             f"{tuple(ref.shape)}")
+                             f"{tuple(ref.shape)}. Replay: {replay}")
     if not torch.isfinite(got).all():
-        raise AssertionError(f"{case.id}: output has NaN or inf")
+        bad = (~torch.isfinite(got)).any(-1).nonzero().flatten().tolist()
+        raise AssertionError(f"{case.id}: output has NaN or inf in {len(bad)} of {got.shape[0]} "
+                             f"rows (first rows {bad[:5]}). Replay: {replay}")
     valid = torch.where(ids >= 0, ids, weights.num_experts)  # remote slots match no expert
     weight_only = registry.formats[case.runs_as].spec.activation_payload == F.UNQUANTIZED
     emuls = [emulate_low_precision(weights, hidden, valid, tw, ref_runs_as, dtype,
@@ -292,6 +326,63 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     result = judge(case.id, got, ref, emuls, dtype, envelope)
     result["device"] = device
     return result
+
+
+def _tensors_of(record) -> dict[str, torch.Tensor]:
+    """Copies of every tensor field of an ``ExpertWeights`` or ``Dispatched`` (``extra`` too)."""
+    out = {}
+    for field in attrs.fields(type(record)):
+        value = getattr(record, field.name)
+        if isinstance(value, torch.Tensor):
+            out[field.name] = value.detach().clone()
+        elif isinstance(value, dict):
+            out.update({f"{field.name}[{k!r}]": v.detach().clone() for k, v in value.items()
+                        if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _unchanged(case, stage: str, what: str, before: dict, after: dict, replay: str) -> None:
+    """A backend must not write into what it is given: the engine keeps using those tensors (the
+    checkpoint's weights, the dispatched hidden states and routing)."""
+    changed = [name for name, t in before.items()
+               if name not in after or not _same_bits(after[name], t)]
+    if changed:
+        raise AssertionError(
+            f"{case.id}: {case.backend}'s {stage} modified its input in place: {what}."
+            f"{', '.join(changed)} changed (a backend must treat the tensors it is given as "
+            f"read-only; copy before writing). Replay: {replay}")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.dtype.is_floating_point:  # bitwise: NaN equals NaN, and float8 has no torch.equal on CPU
+        a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _check_output(case, d: Dispatched, out, dtype: torch.dtype, replay: str) -> None:
+    """``forward``'s own result, before combine: a tensor of the layout's shape in ``out_dtype``."""
+    if not isinstance(out, torch.Tensor):
+        raise AssertionError(f"{case.id}: {case.backend}'s forward returned "
+                             f"{type(out).__name__}, not a tensor. Replay: {replay}")
+    h = case.shape.hidden
+    if d.layout == F.MASKED:
+        want = (int(d.hidden.shape[0]), int(d.hidden.shape[1]), h)
+        what = "[local experts, rows, hidden], unweighted"
+    else:
+        want = (int(d.hidden.shape[0]), h)
+        what = "[tokens, hidden]"
+    if tuple(out.shape) != want:
+        raise AssertionError(
+            f"{case.id}: {case.backend}'s forward returned shape {tuple(out.shape)}; the "
+            f"{d.layout} layout needs {want} ({what}). Replay: {replay}")
+    want_dtype = d.out_dtype or dtype
+    if out.dtype != want_dtype:
+        raise AssertionError(
+            f"{case.id}: {case.backend}'s forward returned {str(out.dtype).replace('torch.', '')}"
+            f"; Dispatched.out_dtype asks for {str(want_dtype).replace('torch.', '')} (the "
+            f"model's dtype). Replay: {replay}")
 
 
 def replay_command(backend: str, case_id: str, seed: int) -> str:
@@ -390,7 +481,7 @@ def comm_round_trip(registry: Registry, case: CommCase, rank: int, group, device
     setup = CommSetup(problem=problem, payload=case.payload, layout=case.layout, ep_rank=rank,
                       ep_size=case.world_size, device=device, group=group,
                       max_tokens_per_rank=bound)
-    comm = load_factory(spec.factory)(setup=setup)
+    comm = load_factory(spec.factory, case.backend)(setup=setup)
     errors = {}
     for scenario in COMM_SCENARIOS:
         gen = torch.Generator().manual_seed(case_seed(f"{case.id}/{scenario}/{rank}", seed))

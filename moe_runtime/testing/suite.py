@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_runtime.declarations import load_factory
 from moe_runtime.testing.harness import (
     ConformanceSkip,
     check_refusal,
@@ -20,6 +21,7 @@ __all__ = [
     "test_conformance_dispatch_combine_round_trips",
     "test_conformance_batch_past_a_declared_bound_is_not_given_to_the_mode",
     "test_conformance_entry_point_imports_no_kernels",
+    "test_conformance_factory_loads",
 ]
 
 # fp8 payloads are compared with the quantized input: float32 arithmetic on both sides
@@ -77,3 +79,14 @@ def test_conformance_batch_past_a_declared_bound_is_not_given_to_the_mode(
 def test_conformance_entry_point_imports_no_kernels(conformance_backend, conformance_registry):
     bad = imports_of_entry_point(conformance_backend, conformance_registry.options)
     assert bad == [], f"loading the plugins imported {bad} before {conformance_backend} was selected"
+
+
+def test_conformance_factory_loads(conformance_backend, conformance_registry):
+    """The lazy ``"module:Class"`` factory imports and names a class (what selecting it does)."""
+    reg = conformance_registry
+    entry = reg.experts.get(conformance_backend) or reg.comms.get(conformance_backend)
+    try:
+        load_factory(entry.spec.factory, conformance_backend)
+    except Exception as exc:  # whatever importing it raises, with the backend named
+        pytest.fail(f"{exc} (plugin {entry.plugin!r}; the planner would select {conformance_backend}"
+                    " and every layer given to it would fail to load)", pytrace=False)

@@ -31,6 +31,13 @@ LIARS = {
                              'Support(formats=["bf16", "fp8_w8a8"], hardware=CPU)'),
     "liar_activation": ("WrongActivation",
                         'Support(formats=["bf16"], activations=["silu", "gelu"], hardware=CPU)'),
+    "liar_dtype": ("WrongDtype", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_mutates_hidden": ("MutatesHidden", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_mutates_weights": ("ScalesWeightsInPlace", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_past_eight": ("ExpertsPastEightWrong", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_masked_missing": ("RaisesOnMasked", 'Support(formats=["bf16"], '
+                            'layouts=["token_major", "masked"], hardware=CPU)'),
+    "liar_factory": ("NoSuchClass", 'Support(formats=["bf16"], hardware=CPU)'),
 }
 HONEST = ("HonestExperts", f'Support(formats={ALL}, activations=["silu", "gelu"], '
           'layouts=["token_major", "masked"], payloads=["unquantized", "fp8"], hardware=CPU)')
@@ -150,6 +157,54 @@ def test_the_replay_command_runs_the_failing_case_alone(verdicts, site):
     r = run_cli("conformance", "liar_activation", "--case", case, "--", "-q", site=site)
     assert r.returncode == 1, r.stdout[-2000:]
     assert f"{case} (device cpu)" in r.stdout, r.stdout[-2000:]  # the failure names it
-    # the one case fails; only the entry-point check runs beside it
-    progress = r.stdout.strip().splitlines()[0].split()[0]  # one letter per test, e.g. "Fsss."
-    assert sorted(progress) == sorted("F.sss"), r.stdout[-2000:]
+    # the one case fails; only the entry-point and factory checks run beside it
+    progress = r.stdout.strip().splitlines()[0].split()[0]  # one letter per test, e.g. "Fsss.."
+    assert sorted(progress) == sorted("F..sss"), r.stdout[-2000:]
+
+
+def _messages(by, name: str) -> list[str]:
+    return by[name]["messages"]
+
+
+def test_a_wrong_output_dtype_is_named(verdicts):
+    _, by = verdicts
+    msgs = _messages(by, "liar_dtype")
+    assert by["liar_dtype"]["failed"] and all(
+        "liar_dtype's forward returned float32; Dispatched.out_dtype asks for bfloat16" in m
+        for m in msgs), msgs[:2]
+
+
+def test_writing_into_the_inputs_is_named(verdicts):
+    _, by = verdicts
+    hidden = _messages(by, "liar_mutates_hidden")
+    assert hidden and all("liar_mutates_hidden's forward modified its input in place: "
+                          "Dispatched.hidden changed" in m for m in hidden), hidden[:2]
+    # consistent with itself, and with a reference reading the same tensors: only the check of
+    # the weights it was given catches it
+    weights = _messages(by, "liar_mutates_weights")
+    assert weights and all("liar_mutates_weights's prepare modified its input in place: "
+                           "ExpertWeights.w13 changed" in m for m in weights), weights[:2]
+
+
+def test_an_expert_id_past_eight_is_exercised(verdicts):
+    _, by = verdicts
+    failed = by["liar_past_eight"]["failed"]
+    assert failed and all("many_experts" in c for c in failed), failed
+
+
+def test_an_exception_in_forward_names_the_backend_the_stage_and_the_replay(verdicts):
+    _, by = verdicts
+    failed, msgs = by["liar_masked_missing"]["failed"], _messages(by, "liar_masked_missing")
+    assert failed and all("-masked-" in c for c in failed), failed
+    assert all("liar_masked_missing's forward raised NotImplementedError: masked layout is not "
+               "written yet. Replay: moe-runtime conformance liar_masked_missing --case '" in m
+               for m in msgs), msgs[:2]
+
+
+def test_a_factory_that_does_not_load_fails_once_with_its_reason(verdicts):
+    _, by = verdicts
+    failed = by["liar_factory"]["failed"]
+    assert "liar_factory" in failed  # test_conformance_factory_loads[liar_factory]
+    msg = _messages(by, "liar_factory")[failed.index("liar_factory")]
+    assert ("backend 'liar_factory': factory 'liar_factory.impl:NoSuchClass' does not load: "
+            "module 'liar_factory.impl' has no attribute 'NoSuchClass'") in msg, msg

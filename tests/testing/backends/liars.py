@@ -62,3 +62,47 @@ class ShortComm(LocalComm):
         out = super().combine(expert_out, handle).clone()
         out[self.CARRIES:] = 0
         return out
+
+
+class WrongDtype(ReferenceExperts):
+    """Right numbers in float32, where ``Dispatched.out_dtype`` asks for the model's dtype."""
+
+    def forward(self, d):
+        return super().forward(d).float()
+
+
+class MutatesHidden(ReferenceExperts):
+    """Right output, but it scribbles over the dispatched hidden states it was given."""
+
+    def forward(self, d):
+        out = super().forward(d)
+        d.hidden.mul_(0.5)
+        return out
+
+
+class ScalesWeightsInPlace(ReferenceExperts):
+    """Doubles the checkpoint's gate/up weights in place in ``prepare`` and computes with them: the
+    weights are the engine's, and a reference that reads the same tensors would agree with it."""
+
+    def prepare(self, weights):
+        weights.w13.mul_(2)
+        super().prepare(weights)
+
+
+class ExpertsPastEightWrong(ReferenceExperts):
+    """Right for experts 0-7; expert e >= 8 is computed with expert e % 8's weights."""
+
+    def forward(self, d):
+        if d.topk_ids is not None:
+            ids = d.topk_ids
+            d = attrs.evolve(d, topk_ids=ids.where(ids < 8, ids % 8))
+        return super().forward(d)
+
+
+class RaisesOnMasked(ReferenceExperts):
+    """Declares the masked layout, has not written it yet."""
+
+    def forward(self, d):
+        if d.layout == "masked":
+            raise NotImplementedError("masked layout is not written yet")
+        return super().forward(d)
