@@ -37,6 +37,7 @@ ENV_API_KEY = "MOE_RUNTIME_API_KEY"
 DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")  # vllm serve's choices
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request to arrive whole (slowloris)
 # exit statuses (docs/serve.md lists them)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -146,6 +147,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="BYTES",
                       help=f"largest request body accepted; larger ones get 413 (default "
                            f"{DEFAULT_MAX_REQUEST_BYTES})")
+    http.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT,
+                      metavar="SECONDS",
+                      help="each request (line, headers and body) must arrive within this long "
+                           "of the connection opening or of the previous response; a late one "
+                           f"gets 408 and the connection is closed (default "
+                           f"{DEFAULT_REQUEST_READ_TIMEOUT:g})")
     http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                       metavar="SECONDS",
                       help="on SIGTERM or Ctrl+C, wait this long for running requests before "
@@ -205,6 +212,9 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("give --gpu-memory-utilization or --kv-cache-tokens, not both")
     if args.max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
+    if not args.request_read_timeout > 0 or args.request_read_timeout == float("inf"):
+        raise UsageError(f"--request-read-timeout must be a positive number of seconds, got "
+                         f"{args.request_read_timeout}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must not be negative, got {args.shutdown_timeout}")
     if args.max_tokens_per_rank < 1:
@@ -427,6 +437,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
 
     from moe_runtime.serve.app import CorsOptions, create_app
     from moe_runtime.serve.engine import ReadinessError
+    from moe_runtime.serve.http_protocol import protocol_with_read_deadline
 
     cors = None
     if args.allowed_origins:
@@ -437,7 +448,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
                      max_request_bytes=args.max_request_bytes, manage_engine=False, cors=cors)
     server_state = app.state.server
     config = uvicorn.Config(app, log_config=None, log_level=level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout)
+                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout,
+                            http=protocol_with_read_deadline(args.request_read_timeout))
     server = uvicorn.Server(config)
     signals: list[int] = []  # what stopped the server, seen as uvicorn's handler receives it
     uvicorn_handle_exit = server.handle_exit

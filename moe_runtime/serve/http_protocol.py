@@ -1,0 +1,88 @@
+"""uvicorn's h11 protocol with a deadline for receiving each request (headers and body).
+
+uvicorn bounds only the idle time between requests (its keep-alive timeout), and cancels even
+that on any byte received: a client that sends half a request line, or one header byte a second,
+or a body slower than it declared, holds its connection (and a file descriptor) for ever, and a few
+thousand such clients starve the server of descriptors (slowloris). Here every request must
+arrive whole within ``--request-read-timeout`` seconds of the connection opening or of the
+previous response ending. A request whose headers are late is answered 408 (OpenAI's error
+shape) and the connection closed; an idle connection that received nothing is closed silently;
+one whose body is late is cut off (the handler sees the client disconnect, as for a client that
+left). A response being sent is never cut: the deadline stops once the request has arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("moe_runtime.serve")
+
+
+def _timeout_response(seconds: float) -> bytes:
+    body = json.dumps({"error": {
+        "message": f"the request did not arrive whole within {seconds:g} s (the server's "
+                   "--request-read-timeout); send the request line, headers and body at once",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    return head + body
+
+
+def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
+    """An :class:`H11Protocol` subclass (uvicorn's ``http=``) giving each request ``seconds``."""
+
+    class ReadDeadlineProtocol(H11Protocol):
+        read_timeout = seconds
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            self._read_deadline = None
+            super().connection_made(transport)
+            self._arm_read_deadline()
+
+        def _arm_read_deadline(self) -> None:
+            self._cancel_read_deadline()
+            self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
+
+        def _cancel_read_deadline(self) -> None:
+            if self._read_deadline is not None:
+                self._read_deadline.cancel()
+                self._read_deadline = None
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+                self._cancel_read_deadline()  # the request is in (or the connection is ending)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request's cycle
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_read_deadline()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_read_deadline()
+            super().connection_lost(exc)
+
+        def _read_too_slow(self) -> None:
+            self._read_deadline = None
+            if self.transport.is_closing():
+                return
+            prefix = "%s:%d " % tuple(self.client[:2]) if self.client else ""
+            if self.cycle is None or self.cycle.response_complete:
+                if not self.conn.trailing_data[0]:
+                    # idle, nothing of a request received: close without a word (a 408 here
+                    # could be read by a pooled client as the answer to its next request)
+                    self.transport.close()
+                    return
+                log.info("%sclosed: no whole request headers within %g s (--request-read-timeout)",
+                         prefix, self.read_timeout)
+                self.transport.write(_timeout_response(self.read_timeout))
+            else:
+                log.info("%sclosed: the request body did not arrive within %g s "
+                         "(--request-read-timeout)", prefix, self.read_timeout)
+            self.transport.close()
+
+    return ReadDeadlineProtocol
