@@ -93,6 +93,8 @@ def plan_fields(plan: Plan, registry) -> PlanFingerprint:
         for key, value in lp.to_json().items():
             # notes are words on the decisions (how a tie was settled names the tuning cache
             # read, its path and its times), not decisions: they may differ between ranks
+            if key == "experts_by_tokens":  # the ranges are decisions, their notes words
+                value = [{k: v for k, v in r.items() if k != "note"} for r in value]
             if key not in ("layer", "notes"):
                 fields.append((f"layer {lp.problem.name}: {key}", _json(value)))
     return PlanFingerprint(fields)

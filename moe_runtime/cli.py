@@ -343,7 +343,11 @@ def print_plan_table(plan, *, file=None) -> None:
         refs = [f"[{numbers.setdefault(n, len(numbers) + 1)}]"
                 for n in dict.fromkeys([*lp.degradations, *lp.notes])]
         comm = lp.comm if lp.payload == "unquantized" else f"{lp.comm} ({lp.payload})"
-        rows.append((lp.problem.name, lp.problem.format, comm, lp.experts, " ".join(refs)))
+        experts = lp.experts
+        if lp.experts_by_tokens:  # measured per batch size: "<=16 humming, <=128 triton, triton"
+            experts = ", ".join([*(f"<={r.max_tokens_per_rank} {r.experts}"
+                                   for r in lp.experts_by_tokens), f"else {lp.experts}"])
+        rows.append((lp.problem.name, lp.problem.format, comm, experts, " ".join(refs)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print(("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]).rstrip(),

@@ -31,10 +31,18 @@ class MoEExecutor:
     """
 
     def __init__(self, plan: LayerPlan, paths, weights: ExpertWeights | None, *,
-                 group=None, ep_size: int = 1) -> None:
+                 group=None, ep_size: int = 1, range_experts: dict | None = None) -> None:
         self.plan = plan
         self.paths = paths  # [(ModeChoice, comm, experts)] in plan order
         self.comm, self.experts = paths[-1][1], paths[-1][2]
+        # the plan's experts_by_tokens backends: (name, layout, payload) -> prepared backend
+        self.range_experts = dict(range_experts or {})
+        missing = [(name, m.layout, m.payload) for name in plan.experts_backends[1:]
+                   for m, _, _ in paths if (name, m.layout, m.payload) not in self.range_experts]
+        if missing:
+            raise ValueError(f"layer {plan.problem.name}: the plan runs some batch sizes on "
+                             f"{', '.join(sorted({n for n, _, _ in missing}))}; the executor "
+                             "has no prepared backend for them (build_executor makes them)")
         self.input_scale = weights.a13_scale if weights is not None else None
         self.group = group
         self.ep_size = ep_size
@@ -44,18 +52,33 @@ class MoEExecutor:
         mode = self.plan.mode_for(tokens_per_rank)
         for path in self.paths:
             if path[0] == mode:
-                return path
+                return self._with_range(path, tokens_per_rank)
         raise AssertionError("the plan's modes and the executor's paths differ")
 
+    def _with_range(self, path, tokens_per_rank: int):
+        """``path`` with the experts backend the plan's ranges give this batch size."""
+        name = self.plan.experts_for(tokens_per_rank)
+        if name == self.plan.experts:
+            return path
+        mode, comm, _ = path
+        return mode, comm, self.range_experts[(name, mode.layout, mode.payload)]
+
     def _path(self, hidden: torch.Tensor, max_tokens_per_rank: int | None):
-        """The path of one forward, from host-side numbers only (no device-to-host copy)."""
+        """The path of one forward, from host-side numbers only (no device-to-host copy).
+
+        The batch size is ``max_tokens_per_rank`` when given, the local batch without expert
+        parallelism (a shape: host metadata, not a sync), else unknown: every rank then takes
+        the last mode and the plan's own experts backend, which admit every batch."""
+        tokens = max_tokens_per_rank
+        if tokens is None and self.ep_size == 1:
+            tokens = hidden.shape[0]
         if len(self.paths) == 1:
-            return self.paths[0]
-        if max_tokens_per_rank is not None:
-            return self.path_for(max_tokens_per_rank)
-        if self.ep_size == 1:
-            return self.path_for(hidden.shape[0])  # a shape: host metadata, not a sync
-        return self.paths[-1]
+            path = self.paths[0]
+        elif tokens is not None:
+            return self.path_for(tokens)
+        else:
+            return self.paths[-1]
+        return path if tokens is None else self._with_range(path, tokens)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  *, max_tokens_per_rank: int | None = None):
@@ -80,11 +103,13 @@ def build_executor(
     """Instantiate the plan's backends and prepare the experts' weights (once, at load).
 
     One communication backend object per planned mode, one experts backend object per layout the
-    modes deliver (each prepares its own kernel layout). ``weights`` holds the *local* experts of
+    modes deliver (each prepares its own kernel layout), and as many again for each other experts
+    backend of the plan's ``experts_by_tokens`` (each holds its own prepared weights). ``weights`` holds the *local* experts of
     this rank, on ``device``.
     """
     device = str(device)
-    experts_cls = load_factory(registry.experts_spec(plan.experts).factory)
+    classes = {name: load_factory(registry.experts_spec(name).factory)
+               for name in plan.experts_backends}
     comm_cls = load_factory(registry.comm_spec(plan.comm).factory)
     from moe_runtime.planner import ModeChoice
 
@@ -92,21 +117,24 @@ def build_executor(
     experts_by_key: dict = {}
     paths = []
     for mode in modes:
-        key = (mode.layout, mode.payload)
-        if key not in experts_by_key:
-            experts = experts_cls(setup=ExpertsSetup(
-                problem=plan.problem, runs_as=plan.runs_as, payload=mode.payload,
-                layout=mode.layout, ep_rank=ep_rank, ep_size=ep_size, device=device,
-            ))
-            experts.prepare(weights)
-            experts_by_key[key] = experts
+        for name, experts_cls in classes.items():
+            key = (name, mode.layout, mode.payload)
+            if key not in experts_by_key:
+                experts = experts_cls(setup=ExpertsSetup(
+                    problem=plan.problem, runs_as=plan.runs_as, payload=mode.payload,
+                    layout=mode.layout, ep_rank=ep_rank, ep_size=ep_size, device=device,
+                ))
+                experts.prepare(weights)
+                experts_by_key[key] = experts
+        key = (plan.experts, mode.layout, mode.payload)
         bound = mode.max_tokens_per_rank or max_tokens_per_rank
         comm = comm_cls(setup=CommSetup(
             problem=plan.problem, payload=mode.payload, layout=mode.layout, ep_rank=ep_rank,
             ep_size=ep_size, device=device, max_tokens_per_rank=bound, group=group,
         ))
         paths.append((mode, comm, experts_by_key[key]))
-    return MoEExecutor(plan, paths, weights, group=group, ep_size=ep_size)
+    ranged = {k: v for k, v in experts_by_key.items() if k[0] != plan.experts}
+    return MoEExecutor(plan, paths, weights, group=group, ep_size=ep_size, range_experts=ranged)
 
 
 class MoELayer(torch.nn.Module):

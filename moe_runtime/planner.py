@@ -105,6 +105,38 @@ def first_mode_admitting(modes: Sequence[ModeChoice], tokens_per_rank: int) -> M
 
 
 @attrs.frozen
+class ExpertsRange:
+    """Batches of at most ``max_tokens_per_rank`` tokens per rank (and more than the previous
+    range's bound) run on ``experts`` instead of the plan's own: a measured choice per batch size
+    (``--token-ranges``, docs/tuning.md), between plans that differ in the experts backend only.
+
+    :param prepared_bytes_per_weight: that backend's declaration, as
+        :attr:`LayerPlan.prepared_bytes_per_weight` (its weights are held beside the plan's).
+    :param note: the measurement that chose it.
+    """
+
+    max_tokens_per_rank: int
+    experts: str
+    prepared_bytes_per_weight: float | None = None
+    note: str = ""
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ExpertsRange:
+        bound = data["max_tokens_per_rank"]
+        if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+            raise ValueError(f"experts_by_tokens: max_tokens_per_rank is {bound!r}; accepted: a "
+                             "positive whole number of tokens")
+        held = data.get("prepared_bytes_per_weight")
+        if held is not None and not is_bytes_per_weight(held):
+            raise ValueError(f"experts_by_tokens: prepared_bytes_per_weight is {held!r}; "
+                             "accepted: a positive finite number, or null")
+        return cls(bound, str(data["experts"]), held, str(data.get("note", "")))
+
+
+@attrs.frozen
 class LayerPlan:
     """The decision for one MoE layer.
 
@@ -127,6 +159,22 @@ class LayerPlan:
     alternatives: tuple[str, ...] = ()
     modes: tuple[ModeChoice, ...] = ()
     prepared_bytes_per_weight: float | None = None
+    #: measured per batch size (``--token-ranges``): the first range whose bound admits a batch
+    #: runs it on its experts backend; batches past every range run on :attr:`experts`
+    experts_by_tokens: tuple[ExpertsRange, ...] = ()
+
+    def experts_for(self, tokens_per_rank: int) -> str:
+        """The experts backend a batch of ``tokens_per_rank`` tokens (the largest over ranks)
+        runs on."""
+        for r in self.experts_by_tokens:
+            if tokens_per_rank <= r.max_tokens_per_rank:
+                return r.experts
+        return self.experts
+
+    @property
+    def experts_backends(self) -> tuple[str, ...]:
+        """Every experts backend this layer holds weights for: the plan's, then its ranges'."""
+        return tuple(dict.fromkeys([self.experts, *(r.experts for r in self.experts_by_tokens)]))
 
     def mode_for(self, tokens_per_rank: int) -> ModeChoice:
         """The mode a batch of ``tokens_per_rank`` tokens (the largest over ranks) uses."""
@@ -154,6 +202,7 @@ class LayerPlan:
             "alternatives": list(self.alternatives),
             "modes": [m.to_json() for m in self.modes],
             "prepared_bytes_per_weight": self.prepared_bytes_per_weight,
+            "experts_by_tokens": [r.to_json() for r in self.experts_by_tokens],
             "problem": attrs.asdict(self.problem),
         }
 
@@ -174,6 +223,8 @@ class LayerPlan:
             alternatives=tuple(data.get("alternatives", ())),
             modes=tuple(ModeChoice.from_json(m) for m in data.get("modes", ())),
             prepared_bytes_per_weight=held,
+            experts_by_tokens=tuple(ExpertsRange.from_json(r)
+                                    for r in data.get("experts_by_tokens") or ()),
         )
 
 
@@ -652,6 +703,29 @@ def choose(candidates: Candidates, dep: Deployment, tuning: Tuning | None) -> tu
     return (tied[pick] if pick is not None else 0), note
 
 
+def same_path(a: LayerPlan, b: LayerPlan) -> bool:
+    """Plans that differ in the experts backend only: equally exact, and the same communication
+    modes with the same layouts, payloads and bounds (one dispatch serves either's experts)."""
+    return equally_exact(a, b) and a.modes == b.modes
+
+
+def choose_ranges(candidates: Candidates, index: int, dep: Deployment,
+                  tuning: Tuning | None) -> tuple[tuple[ExpertsRange, ...], str]:
+    """Step 8, with ``--token-ranges`` only: for the batch sizes the cache measured below the
+    deployment's bucket, the experts backend measured fastest there among the plans on the same
+    path as the chosen one (:func:`same_path`); ``((), why not)`` where none differs."""
+    if tuning is None or tuning.cache is None or not tuning.token_ranges:
+        return (), ""
+    plans = candidates.plans
+    chosen = plans[index]
+    peers = [index] + [i for i, lp in enumerate(plans) if i != index and same_path(lp, chosen)]
+    if len(peers) < 2:
+        return (), ("one experts backend for every batch size (--token-ranges): no other "
+                    "backend runs this layer on the same path")
+    found = tuning.cache.ranges([plans[i] for i in peers], dep, margin=tuning.range_margin)
+    return found
+
+
 def plan_layer(
     p: LayerProblem, *, registry: Registry, environment: Environment, deployment: Deployment,
     tuning: Tuning | None = None,
@@ -668,6 +742,10 @@ def plan_layer(
     plan, rejections = found.result(index)
     if note:
         plan = attrs.evolve(plan, notes=(*plan.notes, note))
+    ranges, range_note = choose_ranges(found, index, deployment, tuning)
+    if ranges or range_note:
+        plan = attrs.evolve(plan, experts_by_tokens=ranges,
+                            notes=(*plan.notes, range_note) if range_note else plan.notes)
     return plan, rejections
 
 

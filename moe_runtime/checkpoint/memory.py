@@ -271,15 +271,23 @@ def _held_bytes_per_weight(moe_layers, plan: Plan | None, dbytes: int
     for m in moe_layers:
         stored = _BYTES_PER_WEIGHT.get(m.quant.format, dbytes)
         lp = planned.get(m.name)
-        if lp is None or lp.prepared_bytes_per_weight is None:
+        if lp is None:
             held.append(stored)
             continue
-        held.append(lp.prepared_bytes_per_weight)
-        if lp.prepared_bytes_per_weight != stored:
-            entry = copies.setdefault((lp.experts, m.quant.format, lp.prepared_bytes_per_weight),
-                                      [stored, 0, {}])
-            entry[1] += 1
-            entry[2].update(dict.fromkeys(lp.alternatives))
+        # the plan's backend, then each other backend of its batch-size ranges (--token-ranges):
+        # each prepares its own copy of the layer's experts
+        backends = {lp.experts: lp.prepared_bytes_per_weight}
+        for r in getattr(lp, "experts_by_tokens", ()):
+            backends.setdefault(r.experts, r.prepared_bytes_per_weight)
+        total = 0.0
+        for i, (name, declared) in enumerate(backends.items()):
+            b = stored if declared is None else declared
+            total += b
+            if b != stored or i > 0:
+                entry = copies.setdefault((name, m.quant.format, b), [stored, 0, {}])
+                entry[1] += 1
+                entry[2].update(dict.fromkeys(lp.alternatives))
+        held.append(total)
     return held, tuple(BackendCopy(backend, fmt, b, stored, n, tuple(alts))
                        for (backend, fmt, b), (stored, n, alts) in copies.items())
 

@@ -391,6 +391,7 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
         loaded = load_for_serving(
             model_dir, device=device, deployment=deployment_from_args(args), progress=True,
             dtype=args.dtype, tuning_cache=args.tuning_cache,
+            token_ranges=args.token_ranges,
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
             generation_config=source.generation_config,
             # the command line's -p no:NAME and kin (moe-runtime serve); else the environment

@@ -51,6 +51,7 @@ def load_for_serving(
     deployment=None,
     max_tokens_per_forward: int | None = None,
     tuning_cache: str | None = None,
+    token_ranges: bool = False,
 ):
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -71,7 +72,8 @@ def load_for_serving(
     command line's): how plugins load, for the plan and the model alike (default: the
     environment variables). ``max_tokens_per_forward``: the engine's bound on the tokens of one
     forward (see ``load_model``). ``tuning_cache``: ``plan``'s ``--tuning-cache`` (a path,
-    ``"none"``, or ``None``: the default location when it exists).
+    ``"none"``, or ``None``: the default location when it exists); ``token_ranges``: its
+    ``--token-ranges`` (an experts backend per measured batch size, docs/tuning.md).
     """
     import attrs
 
@@ -103,7 +105,8 @@ def load_for_serving(
         # refused pin fails before the model is built.
         report = require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size)
         plan = None if transformers_experts else plan_for_serving(
-            path, device, deployment, registry, tuning_cache=tuning_cache)
+            path, device, deployment, registry, tuning_cache=tuning_cache,
+            token_ranges=token_ranges)
         if plan is not None:  # the experts as the planned backends hold them (a float32 copy)
             require_memory_for_plan(report, plan)
         # the sampling defaults are read before the weights, so a bad file fails in seconds
@@ -137,7 +140,7 @@ def load_for_serving(
 
 
 def plan_for_serving(path: Path, device: str, deployment, registry, *,
-                     tuning_cache: str | None = None):
+                     tuning_cache: str | None = None, token_ranges: bool = False):
     """The one plan of ``path`` for ``device`` (probed) and ``deployment``, with the tuning
     cache ``plan`` would read, or the planner's :class:`~moe_runtime.planner.PlanError`."""
     import argparse
@@ -149,7 +152,8 @@ def plan_for_serving(path: Path, device: str, deployment, registry, *,
     from moe_runtime.tuning.command import tuning_for
 
     env = Environment.probe(device=device, modules=registry.required_modules())
-    tuning = tuning_for(argparse.Namespace(tuning_cache=tuning_cache), env, registry)
+    tuning = tuning_for(argparse.Namespace(tuning_cache=tuning_cache, token_ranges=token_ranges),
+                        env, registry)
     return plan_model(problems_from_checkpoint(read_checkpoint(path)), registry=registry,
                       environment=env, deployment=deployment, tuning=tuning)
 

@@ -299,6 +299,10 @@ class Tuning:
 
     cache: TuningCache | None = None
     notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: ``--token-ranges``: also choose an experts backend per measured batch size
+    #: (:meth:`TuningCache.ranges`), where one beats the chosen backend by ``range_margin``
+    token_ranges: bool = False
+    range_margin: float = 0.05
 
 
 def _first_software_difference(theirs: dict, mine: dict) -> str:
@@ -414,6 +418,61 @@ class TuningCache:
         return ranked[0], (f"chosen by measurement (cache {self.path}, measured {day}): "
                            f"{ranking} at {_tokens(bucket)} per rank, {how}"
                            + (f" (not measured: {', '.join(left)})" if left else ""))
+
+
+    def ranges(self, plans: Sequence[LayerPlan], dep: Deployment, *, margin: float = 0.05):
+        """Per measured batch size below the deployment's bucket, the fastest of ``plans`` (the
+        chosen plan first, the others on the same path): ``(ranges, note)``, the ranges in
+        increasing bound, consecutive buckets of one winner merged, none past the last one that
+        differs from ``plans[0]`` (those batches run on it anyway). Another backend wins a bucket
+        only when it is faster than ``plans[0]`` by more than ``margin`` (a fraction) there, with
+        both measured (like with like: :func:`compared_times`); a batch uses the smallest
+        measured count at or above its size, as :meth:`fastest` does."""
+        from moe_runtime.planner import ExpertsRange
+
+        problem = problem_key(plans[0].problem, dep.ep_size)
+        counts = self.token_counts(problem)
+        chosen = plans[0].experts
+        if not counts:
+            return (), ""
+        bucket = next((t for t in counts if t >= dep.max_tokens_per_rank), counts[-1])
+        wins: list[tuple[int, int, str]] = []  # (bound, plan index, why)
+        for t in (c for c in counts if c < bucket):
+            found = [self.lookup(problem, lp, t) for lp in plans]
+            timed = [i for i, m in enumerate(found) if m is not None and m.median_us is not None]
+            if 0 not in timed or len(timed) < 2:
+                wins.append((t, 0, ""))
+                continue
+            how, key = compared_times([(plans[i].experts, found[i]) for i in timed])
+            best = min(timed, key=lambda i: (key(found[i]), i))
+            if best != 0 and key(found[best]) < (1.0 - margin) * key(found[0]):
+                wins.append((t, best, f"{plans[best].experts} {key(found[best]):.1f} us, "
+                                      f"{chosen} {key(found[0]):.1f} us at {_tokens(t)}, {how}"))
+            else:
+                wins.append((t, 0, ""))
+        merged: list[tuple[int, int, list[str]]] = []
+        for t, i, why in wins:
+            if merged and merged[-1][1] == i:
+                merged[-1] = (t, i, merged[-1][2] + ([why] if why else []))
+            else:
+                merged.append((t, i, [why] if why else []))
+        while merged and merged[-1][1] == 0:
+            merged.pop()
+        if not merged:
+            return (), (f"one experts backend for every batch size (--token-ranges): no other "
+                        f"backend measured more than {margin:.0%} faster than {chosen} below "
+                        f"{_tokens(bucket)} per rank (cache {self.path})")
+        ranges = tuple(ExpertsRange(t, plans[i].experts, plans[i].prepared_bytes_per_weight,
+                                    "; ".join(whys))
+                       for t, i, whys in merged)
+        spans, low = [], 0
+        for r in ranges:
+            spans.append(f"{low + 1}-{r.max_tokens_per_rank} tokens per rank on {r.experts}")
+            low = r.max_tokens_per_rank
+        others = sorted({r.experts for r in ranges} - {chosen})
+        return ranges, (f"experts backend by batch size, chosen by measurement (cache {self.path}"
+                        f"): {', '.join(spans)}, larger batches on {chosen}; the weights are "
+                        f"prepared for {chosen} and for {', '.join(others)} (held side by side)")
 
 
 def _eager_reasons(named: Sequence[tuple[str, Measurement]], *, every: bool = False) -> str:

@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+import attrs
+
 from moe_runtime.tuning.cache import (
     ENV_VAR,
     CacheFormatError,
@@ -34,11 +36,28 @@ def add_tuning_cache_argument(p: argparse.ArgumentParser) -> None:
                    help="measurements of `moe-runtime tune` that break ties between equally exact "
                         f"experts backends (default: {DEFAULT_LOCATION}, when it exists; 'none': "
                         "no measurements)")
+    p.add_argument("--token-ranges", action="store_true",
+                   help="with a tuning cache: run each measured batch size on the experts backend "
+                        "measured fastest there (more than 5%% faster than the layer's choice), "
+                        "among backends on the same path; each such backend holds its own "
+                        "prepared copy of the layer's weights (the plan's memory estimate counts "
+                        "them). Without it one backend serves every batch size")
 
 
 def tuning_for(args, environment, registry, environ=None) -> Tuning:
     """The tuning a ``plan`` reads: ``--tuning-cache``, else the default location. The default
     is skipped for a described target (``--target-device``): no machine measured it."""
+    tuning = _tuning_for(args, environment, registry, environ)
+    if getattr(args, "token_ranges", False):
+        if tuning.cache is None:
+            return attrs.evolve(tuning, notes=(*tuning.notes, (
+                "--token-ranges: no usable tuning cache, so one experts backend serves every "
+                "batch size (measure with `moe-runtime tune CHECKPOINT` first)")))
+        return attrs.evolve(tuning, token_ranges=True)
+    return tuning
+
+
+def _tuning_for(args, environment, registry, environ=None) -> Tuning:
     given = getattr(args, "tuning_cache", None)
     if given is not None:
         if given.strip().lower() in ("", "none"):  # as $MOE_RUNTIME_TUNING_CACHE reads them

@@ -175,3 +175,23 @@ def test_a_plan_file_with_bad_prepared_bytes_is_not_a_plan(plans, value):
     assert f"prepared_bytes_per_weight is {value!r}; accepted: a positive finite number" in str(
         err.value)
     assert repr(data["layers"][0]["layer"]) in str(err.value)
+
+
+def test_a_plan_with_batch_size_ranges_counts_every_backends_copy(w4a16, plans):
+    """--token-ranges: the reference serves small batches beside cpu_dequantized's float32 copy;
+    both hold the layer's experts."""
+    import attrs
+
+    from moe_runtime.planner import ExpertsRange
+
+    copying = plans["cpu_dequantized"]
+    ranged = attrs.evolve(copying, layers=tuple(
+        attrs.evolve(lp, experts_by_tokens=(ExpertsRange(16, "reference", None),))
+        for lp in copying.layers))
+    plain = check_checkpoint(w4a16, machine=None)
+    weights = 2 * 8 * 3 * 64 * 32
+    one = experts_part(plain.with_plan(copying)).bytes
+    both = experts_part(plain.with_plan(ranged))
+    assert both.bytes - one == round(weights * NVFP4_STORED)
+    assert [c.backend for c in plain.with_plan(ranged).memory.backend_copies] == [
+        "cpu_dequantized", "reference"]

@@ -228,3 +228,38 @@ def test_a_time_below_the_timers_resolution_fails_that_measurement_not_the_cache
     assert tuning.cache is not None, tuning.notes
     assert {lp.experts for lp in plan_model(problems, registry=reg, environment=CPU,
                                             tuning=tuning).layers} == {"cpu_dequantized"}
+
+
+
+def test_plan_with_token_ranges_runs_small_batches_on_their_measured_fastest(checkpoint,
+                                                                            tmp_path):
+    """A real tune's cache with its times set by the test: the reference fastest at 8 tokens,
+    cpu_dequantized (declared first) at 4096."""
+    path = tmp_path / "tuning.json"
+    env = {"MOE_RUNTIME_TUNING_CACHE": str(tmp_path / "unused.json")}
+    r = run_cli("tune", str(checkpoint), "--tokens", "8,4096", "--cache", str(path), "--repeats",
+                "1", "--warmup", "1", "--no-progress", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cache = json.loads(path.read_text())
+    times = {("reference", 8): 10.0, ("cpu_dequantized", 8): 40.0,
+             ("reference", 4096): 900.0, ("cpu_dequantized", 4096): 100.0}
+    for m in cache["sections"][0]["measurements"]:
+        m["median_us"] = times[(m["candidate"]["experts"], m["tokens"])]
+    path.write_text(json.dumps(cache))
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), "--json", env=env,
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert all(lp["experts_by_tokens"] == [] for lp in json.loads(r.stdout)["layers"])
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), "--token-ranges", "--json",
+                env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    layers = json.loads(r.stdout)["layers"]
+    assert {lp["experts"] for lp in layers} == {"cpu_dequantized"}
+    assert [[(x["max_tokens_per_rank"], x["experts"]) for x in lp["experts_by_tokens"]]
+            for lp in layers] == [[(8, "reference")]] * 3
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(path), "--token-ranges", env=env,
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "<=8 reference, else cpu_dequantized" in r.stdout
+    assert "1-8 tokens per rank on reference, larger batches on cpu_dequantized" in " ".join(
+        r.stdout.split())

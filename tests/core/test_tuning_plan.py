@@ -3,13 +3,28 @@ the deployment's token bucket, and nothing else; without a cache the plan is the
 
 from __future__ import annotations
 
+import argparse
+
+import attrs
 import pytest
+import torch
 
 from moe_runtime import ExpertsBackendSpec, Hardware, Support
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.environment import Environment
-from moe_runtime.planner import Deployment, layer_candidates, plan_layer, plan_model
+from moe_runtime.executor import MoEExecutor, build_executor
+from moe_runtime.planner import (
+    Deployment,
+    ExpertsRange,
+    LayerPlan,
+    Plan,
+    layer_candidates,
+    plan_layer,
+    plan_model,
+)
+from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
 from moe_runtime.testing.registries import registry_of
+from moe_runtime.tuning.command import tuning_for
 from moe_runtime.tuning.cache import (
     Measurement,
     Section,
@@ -259,3 +274,171 @@ def test_eager_reasons_are_grouped_in_the_note(tmp_path):
     assert lp.experts == "first"
     assert "eager calls (first: capture failed: RuntimeError: sync; second: no CUDA graphs on " \
            "cpu)" in lp.notes[-1]
+
+
+# ------------------------------------------------------------------------------------------------
+# --token-ranges: an experts backend per measured batch size, where another backend on the same
+# path is measured faster than the layer's choice there; the executor runs each batch on the
+# backend its size maps to, and the plan says so. Without the flag nothing changes.
+
+
+def ranged(t: Tuning, margin=0.05) -> Tuning:
+    return attrs.evolve(t, token_ranges=True, range_margin=margin)
+
+
+# first wins the large batches (the deployment's bucket), second the small ones
+TIMES = {("first", 1): 9.0, ("second", 1): 3.0, ("first", 16): 10.0, ("second", 16): 4.0,
+         ("first", 128): 20.0, ("second", 128): 30.0, ("first", 4096): 90.0,
+         ("second", 4096): 300.0}
+
+
+def test_without_the_flag_one_backend_serves_every_batch(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    lp = plan(layer(), reg, tuning_of(tmp_path, reg, layer(), dict(TIMES)))
+    assert lp.experts == "first" and lp.experts_by_tokens == ()
+    assert lp.experts_for(1) == "first"
+
+
+def test_small_batches_run_on_the_backend_measured_faster_there(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), dict(TIMES))))
+    assert lp.experts == "first"  # the deployment's bucket (4096) decides the plan's own
+    assert [(r.max_tokens_per_rank, r.experts) for r in lp.experts_by_tokens] == [(16, "second")]
+    assert [lp.experts_for(n) for n in (1, 16, 17, 128, 5000)] == [
+        "second", "second", "first", "first", "first"]
+    assert lp.experts_backends == ("first", "second")
+    note = lp.notes[-1]
+    assert note.startswith("experts backend by batch size, chosen by measurement")
+    assert "1-16 tokens per rank on second, larger batches on first" in note
+    assert "held side by side" in note
+    assert "second 4.0 us, first 10.0 us at 16 tokens" in lp.experts_by_tokens[0].note
+    # the plan's JSON carries the ranges
+    assert LayerPlan.from_json(lp.to_json()) == lp
+
+
+def test_a_bucket_won_by_the_plans_own_backend_splits_the_ranges(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    times = {**TIMES, ("first", 16): 3.0, ("second", 16): 9.0,
+             ("first", 128): 50.0, ("second", 128): 20.0}
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), times)))
+    assert [(r.max_tokens_per_rank, r.experts) for r in lp.experts_by_tokens] == [
+        (1, "second"), (16, "first"), (128, "second")]
+    assert [lp.experts_for(n) for n in (1, 2, 16, 17, 128, 129)] == [
+        "second", "first", "first", "second", "second", "first"]
+
+
+def test_a_win_within_the_margin_is_noise(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    times = {**TIMES, ("second", 1): 8.8, ("second", 16): 9.7}  # 2-3% faster than first
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), times)))
+    assert lp.experts_by_tokens == ()
+    assert "no other backend measured more than 5% faster than first below 4096" in lp.notes[-1]
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), times), margin=0.01))
+    assert [r.experts for r in lp.experts_by_tokens] == ["second"]
+
+
+def test_a_bucket_where_the_plans_own_backend_was_not_measured_keeps_it(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), dict(TIMES),
+                                             errors={("first", 16)})))
+    assert [(r.max_tokens_per_rank, r.experts) for r in lp.experts_by_tokens] == [(1, "second")]
+
+
+def test_a_pinned_backend_has_no_ranges(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    lp = plan(layer(), reg, ranged(tuning_of(tmp_path, reg, layer(), dict(TIMES))),
+              experts_backend="first")
+    assert lp.experts_by_tokens == () and "no other backend" in lp.notes[-1]
+
+
+def test_the_command_line_flag(tmp_path):
+    reg = registry_with(FIRST, SECOND)
+    tuning_of(tmp_path, reg, layer(), dict(TIMES))  # writes tmp_path / tuning.json
+    args = argparse.Namespace(tuning_cache=str(tmp_path / "tuning.json"), token_ranges=True)
+    t = tuning_for(args, CPU, reg)
+    assert t.token_ranges and t.cache is not None
+    args = argparse.Namespace(tuning_cache="none", token_ranges=True)
+    t = tuning_for(args, CPU, reg)
+    assert not t.token_ranges and "no usable tuning cache" in t.notes[-1]
+
+
+def test_ranges_from_json_are_checked():
+    with pytest.raises(ValueError, match="max_tokens_per_rank is 0; accepted: a positive"):
+        ExpertsRange.from_json({"max_tokens_per_rank": 0, "experts": "x"})
+    with pytest.raises(ValueError, match="prepared_bytes_per_weight is -1"):
+        ExpertsRange.from_json({"max_tokens_per_rank": 4, "experts": "x",
+                                "prepared_bytes_per_weight": -1})
+
+
+# ------------------------------------------------------------------ the executor, real backends
+
+
+def _ranged_plan(tmp_path, ep_size=1):
+    """The built-in backends on CPU: the reference measured fastest up to 16 tokens,
+    cpu_dequantized (declared first) at the rest."""
+    reg = registry_of()
+    p = LayerProblem("model.layers.0.mlp.experts", "nvfp4_w4a16", "silu", 8, 2, 64, 32,
+                     dtype="float32")
+    times = {("reference", 16): 10.0, ("cpu_dequantized", 16): 50.0,
+             ("reference", 4096): 900.0, ("cpu_dequantized", 4096): 100.0}
+    t = ranged(tuning_of(tmp_path, reg, p, times))
+    plan_ = plan_model([p], registry=reg, environment=CPU, tuning=t,
+                       deployment=Deployment(ep_size=ep_size))
+    return reg, plan_.layers[0]
+
+
+def test_the_executor_runs_each_batch_on_its_ranges_backend(tmp_path):
+    reg, lp = _ranged_plan(tmp_path)
+    assert lp.experts == "cpu_dequantized"
+    assert [(r.max_tokens_per_rank, r.experts) for r in lp.experts_by_tokens] == [
+        (16, "reference")]
+    gen = torch.Generator().manual_seed(0)
+    weights = quantize_expert_weights(torch.randn(8, 64, 64, generator=gen) / 8,
+                                      torch.randn(8, 64, 32, generator=gen) / 6,
+                                      "nvfp4_w4a16", "silu")
+    ex = build_executor(lp, reg, weights)
+    for n, backend in ((1, "ReferenceExperts"), (16, "ReferenceExperts"),
+                       (17, "CpuDequantizedExperts"), (300, "CpuDequantizedExperts")):
+        assert type(ex.path_for(n)[2]).__name__ == backend, n
+        x = torch.randn(n, 64, generator=gen)
+        ids = torch.rand(n, 8, generator=gen).topk(2, -1).indices.int()
+        w = torch.softmax(torch.randn(n, 2, generator=gen), -1)
+        torch.testing.assert_close(ex(x, ids, w), reference_fused_experts(x, ids, w, weights),
+                                   rtol=1e-5, atol=1e-5)
+    # an engine's bound decides over the local batch
+    assert type(ex._path(torch.zeros(2, 64), 4096)[2]).__name__ == "CpuDequantizedExperts"
+    # a hand-made executor without the ranges' backends is refused by name
+    with pytest.raises(ValueError, match="runs some batch sizes on reference"):
+        MoEExecutor(lp, ex.paths, weights)
+
+
+def test_under_expert_parallelism_without_a_bound_every_rank_takes_the_plans_own(tmp_path):
+    reg, lp = _ranged_plan(tmp_path)
+    weights = quantize_expert_weights(torch.randn(8, 64, 64) / 8, torch.randn(8, 64, 32) / 6,
+                                      "nvfp4_w4a16", "silu")
+    ex = build_executor(lp, reg, weights)
+    ex.ep_size = 2  # the rule alone: a rank's local batch size is not agreed with the others
+    assert type(ex._path(torch.zeros(3, 64), None)[2]).__name__ == "CpuDequantizedExperts"
+    assert type(ex._path(torch.zeros(3, 64), 3)[2]).__name__ == "ReferenceExperts"
+
+
+def test_a_plan_with_ranges_survives_json(tmp_path):
+    reg, lp = _ranged_plan(tmp_path)
+    p = Plan((lp,), (), CPU, Deployment())
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_ranks_agree_on_the_ranges_not_on_their_notes(tmp_path):
+    from moe_runtime.agreement import first_difference, plan_fields
+
+    reg, lp = _ranged_plan(tmp_path)
+    a = Plan((lp,), (), CPU, Deployment())
+    reworded = attrs.evolve(lp, experts_by_tokens=tuple(
+        attrs.evolve(r, note="other times") for r in lp.experts_by_tokens))
+    b = Plan((reworded,), (), CPU, Deployment())
+    assert first_difference({0: plan_fields(a, reg), 1: plan_fields(b, reg)}) is None
+    moved = attrs.evolve(lp, experts_by_tokens=(attrs.evolve(lp.experts_by_tokens[0],
+                                                             max_tokens_per_rank=8),))
+    c = Plan((moved,), (), CPU, Deployment())
+    field, _ = first_difference({0: plan_fields(a, reg), 1: plan_fields(c, reg)})
+    assert field.endswith("experts_by_tokens")
