@@ -749,6 +749,10 @@ def main(argv=None):
     ap.add_argument("--grouped-min-tokens", type=int, default=1024,
                     help="rows with at least this many tokens also time our torch grouped GEMM "
                          "path (triton_grouped)")
+    ap.add_argument("--tma-min-tokens", type=int, default=1024,
+                    help="with --tune, rows with at least this many tokens also sweep the TMA / "
+                         "persistent path (moe_runtime_triton.tma); a config that wins is written "
+                         "to configs.json as the entry's \"tma\"")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the rows and implementations this command would time, then exit")
     args = ap.parse_args(argv)
@@ -1012,6 +1016,32 @@ def main(argv=None):
                                 trials.append((time_cfg(cd), cd))
                         trials.append((time_cfg(cfg), cfg))
                         best = min(trials, key=lambda z: z[0])[1]
+                        tma_why = tma_skip_reason(ops, pw, N, args.tma_min_tokens)
+                        if tma_why:
+                            row["tune_tma"] = {"skipped": tma_why}
+                        else:
+                            # the TMA path's sweep, each config checked against the reference
+                            # before it is timed; an entry keeps its sorted config as fallback
+                            from moe_runtime_triton import tma as T
+
+                            fallback = {k: v for k, v in best.items() if k != "tma"}
+                            t_tma = []
+                            for tc in T.config_candidates(pw, N, K):
+                                ct = dict(fallback, tma=tc)
+                                why = tma_check(ops, pw, ct, x0, ids0, wts0, ref, TOL[fmt])
+                                t = float("inf") if why else time_cfg(ct)
+                                if why:
+                                    row.setdefault("tune_skipped", []).append(
+                                        f"tma {T.describe(tc)}: {why}"[:160])
+                                t_tma.append((t, ct))
+                            trials.extend(t_tma)
+                            tb, cb = min(t_tma, key=lambda z: z[0])
+                            row["tune_tma"] = ({"best_us": round(tb * 1e6, 2),
+                                                "config": T.describe(cb["tma"]),
+                                                "configs_timed": len(t_tma)}
+                                               if tb < float("inf") else
+                                               {"error": "every TMA config failed or was wrong"})
+                            best = min(trials, key=lambda z: z[0])[1]
                         if not grouped_skip_reason(ops, pw, device, N, args.grouped_min_tokens):
                             cg = dict(best, grouped_mm=True)
                             trials.append((time_cfg(cg), cg))
@@ -1247,6 +1277,23 @@ def _best_us(ent):
     return min([ent[k] for k in ("eager_us", "graph_us") if k in ent], default=None)
 
 
+def tma_skip_reason(ops, pw, N, min_tokens):
+    """Why ``--tune`` does not sweep the TMA path on this row (``None``: it does)."""
+    if N < min_tokens:
+        return f"{N} tokens < --tma-min-tokens {min_tokens}"
+    return ops.tma_unavailable(pw)
+
+
+def tma_check(ops, pw, cfg, x, ids, wts, ref, tol):
+    """Run one TMA config once (eagerly: its weight views are built here, before any capture) and
+    say what is wrong with its output (``None``: within ``tol`` of the reference)."""
+    try:
+        err = rel_err(ops.fused_moe_prepared(x, ids, wts, pw, config=cfg), ref)
+    except Exception as exc:  # e.g. a tile that needs too much shared memory
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+    return None if err <= tol else f"wrong result: rel err {err:.3g} > {tol}"
+
+
 def grouped_skip_reason(ops, pw, device, N, min_tokens):
     """Why a row does not time our torch grouped GEMM path (None: it does)."""
     if N < min_tokens:
@@ -1274,8 +1321,11 @@ def run_plan(shapes, tokens, formats, args):
                 if fmt == "nvfp4_w4a16" and "humming" in args.peers:
                     impls.append("humming")
                 timing = "eager + CUDA graph" if N <= GRAPH_MAX_TOKENS else "eager"
-                lines.append(f"{sname} N={N} {fmt}: {', '.join(impls)} ({timing})"
-                             + (" [tune]" if args.tune else ""))
+                tune = ""
+                if args.tune:
+                    tma_sweep = N >= args.tma_min_tokens and fmt in ("bf16", "fp8_w8a8")
+                    tune = " [tune" + (" + TMA sweep]" if tma_sweep else "]")
+                lines.append(f"{sname} N={N} {fmt}: {', '.join(impls)} ({timing}){tune}")
                 n += 1
     lines.append(f"{n} rows; time budget {args.time_budget:.0f}s; out {args.out}")
     return lines

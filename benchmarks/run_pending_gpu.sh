@@ -45,11 +45,14 @@ serve)
         tests/serve/test_engine_cuda_graphs.py
     ;;
 kernels)
-    step kernel_tests 150 python -m pytest -q -p no:cacheprovider -rs \
-        plugins/triton/tests/test_tma.py plugins/triton/tests/test_w4a16.py
-    step bench_tma 330 python benchmarks/bench_tma.py --time-budget 300 --out "$OUT/tma"
-    step bench_w4a16 240 python benchmarks/bench_w4a16.py --shapes qwen3-30b-a3b deepseek-v3 \
+    step kernel_tests 120 python -m pytest -q -p no:cacheprovider -rs \
+        plugins/triton/tests/test_tma.py plugins/triton/tests/test_tma_wiring.py \
+        plugins/triton/tests/test_w4a16.py
+    step bench_tma 200 python benchmarks/bench_tma.py --time-budget 180 --out "$OUT/tma"
+    step bench_w4a16 180 python benchmarks/bench_w4a16.py --shapes qwen3-30b-a3b deepseek-v3 \
         --out "$OUT/w4a16"
+    # every declared combination of the backend with the TMA path forced where it can run
+    step conformance_tma 90 env MOE_TRITON_TMA=1 moe-runtime conformance triton
     ;;
 tune)
     wheels .whl
