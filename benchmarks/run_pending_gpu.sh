@@ -64,6 +64,9 @@ tune)
         step "plan_$n" 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
             --max-tokens-per-rank "$n"
     done
+    # one backend per measured batch size where another wins below the deployment's bucket
+    step plan_ranges 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
+        --max-tokens-per-rank 4096 --token-ranges
     ;;
 *)
     echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune" >&2
