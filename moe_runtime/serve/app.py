@@ -11,8 +11,10 @@ The app may be made before its engine (``create_app(None, served_model_name=...)
 generation routes 503 ``model_loading``, so a server answers while its model loads.
 
 Client errors are answered in OpenAI's error shape and logged as that one line: bodies larger than
-``max_request_bytes`` (413), nested deeper than ``protocol.MAX_JSON_DEPTH``, or not standard JSON
-(400); a client that leaves mid-request is logged as status 499, with no traceback.
+``max_request_bytes`` (413), sent with a ``Content-Encoding`` other than ``identity`` (415: none is
+decoded here), nested deeper than ``protocol.MAX_JSON_DEPTH``, or not standard JSON (400); a client
+that leaves mid-request is logged as status 499, with no traceback. What an error echoes of the
+request (a path, a model name, a header) is bounded by ``protocol.clip``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from moe_runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    clip,
     decode_body,
     invalid,
     parse,
@@ -55,6 +58,21 @@ _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV
                               b"-_.:/+=@")
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
            "/v1/moe/plan")
+IDENTITY = "identity"  # the one Content-Encoding accepted (as no header): bodies are never decoded
+
+
+def _check_content_encoding(request: Request) -> None:
+    """A body sent compressed (``Content-Encoding: gzip``, ``br``...) is a 415, never read as
+    JSON; no header, an empty one or ``identity`` is accepted."""
+    values = request.headers.getlist("content-encoding")
+    codings = [c.strip().lower() for v in values for c in v.split(",")]
+    if all(c in ("", IDENTITY) for c in codings):
+        return
+    received = ", ".join(values)
+    raise APIError(415, f"the request body has Content-Encoding {clip(received, 80, quoted=True)}, "
+                        "which this server does not decode; accepted: 'identity' or no "
+                        "Content-Encoding header (send the JSON body uncompressed)",
+                   param="Content-Encoding", code="unsupported_content_encoding")
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -136,6 +154,7 @@ class _Server:
     # -------------------------------------------------------------------------- generation
 
     async def _body(self, request: Request):
+        _check_content_encoding(request)
         limit = self.max_request_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes (the "
                                   "server's --max-request-bytes)", code="request_too_large")
@@ -152,7 +171,7 @@ class _Server:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+            raise APIError(404, f"the model {clip(name, quoted=True)} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
     def _budget(self, prompt_ids: list[int], requested: int | None, default: int | None,
@@ -168,14 +187,15 @@ class _Server:
         min_tokens = min_tokens or 0
         if min_tokens > room:
             raise invalid(f"this model's maximum context length is {ctx} tokens; min_tokens asks "
-                          f"for {n + min_tokens} ({n} in the prompt, {min_tokens} for the "
-                          "completion)", "min_tokens", "context_length_exceeded")
+                          f"for {clip(n + min_tokens)} ({n} in the prompt, {clip(min_tokens)} for "
+                          "the completion)", "min_tokens", "context_length_exceeded")
         if requested is None:
             default = self.defaults.get("max_tokens", default)
             return room if default is None else min(max(default, min_tokens), room)
         if requested > room:
             raise invalid(f"this model's maximum context length is {ctx} tokens; you requested "
-                          f"{n + requested} ({n} in the prompt, {requested} for the completion)",
+                          f"{clip(n + requested)} ({n} in the prompt, {clip(requested)} for the "
+                          "completion)",
                           field, "context_length_exceeded")
         return requested
 
@@ -186,7 +206,7 @@ class _Server:
             vocab = self.engine.loaded.model.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise invalid(f"token ids must lie in [0, {vocab}); got {bad[:3]}", "prompt")
+                raise invalid(f"token ids must lie in [0, {vocab}); got {clip(bad[:3])}", "prompt")
             ids = list(prompt)
         if not ids:
             raise invalid("the prompt is empty", "prompt")
@@ -220,7 +240,7 @@ class _Server:
         bad = [t for t in req.stop_token_ids or () if t >= vocab]
         if bad:
             raise invalid(f"stop_token_ids must lie in [0, {vocab}) (the vocabulary); got "
-                          f"{bad[:3]}", "stop_token_ids")
+                          f"{clip(bad[:3])}", "stop_token_ids")
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
@@ -256,7 +276,7 @@ class _Server:
         try:
             prompt_ids = engine.encode_chat(req.chat_messages(), req.template_kwargs())
         except ValueError as exc:
-            raise invalid(str(exc), "messages") from None
+            raise invalid(clip(str(exc), 1000), "messages") from None
         max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None, req.min_tokens,
                                   req.max_tokens_field)
         jobs = [_Job(j, prompt_ids, max_tokens, self._sampling(req, j))
@@ -666,13 +686,15 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
-                   else str(exc.detail))
+        # the path (and method) as sent, bounded: a 100 KB path is not echoed whole
+        message = (f"no route {clip(request.method, 32)} {clip(request.url.path)}"
+                   if exc.status_code in (404, 405) else clip(str(exc.detail)))
         return _error_response(APIError(exc.status_code, message, code=code))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {exc}", type="server_error"))
+        return _error_response(APIError(500, f"internal error: {clip(str(exc), 1000)}",
+                                        type="server_error"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

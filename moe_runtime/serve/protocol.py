@@ -5,7 +5,9 @@ Every field is implemented, accepted where it changes nothing here (``user``, ``
 refused unless at its "off" value where this server does not implement it (:data:`UNSUPPORTED`:
 tools, beam search, constrained decoding...), or unknown: a 400 naming it, as OpenAI answers (vLLM
 logs and drops them; a dropped field is a client's intent lost without a word). Errors use OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. An error message echoes client input (a
+field's value or name, a model name, a path, a header) only through :func:`clip`: at most
+:data:`ECHO_LIMIT` characters of it and its length, however much was sent.
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "r
                                       "return_tensors", "padding", "truncation", "max_length",
                                       "chat_template", "tools", "documents"})
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (messages -> content parts -> fields)
+ECHO_LIMIT = 200  # characters of one piece of client input that an error message echoes
+
+
+def clip(value: Any, limit: int = ECHO_LIMIT, *, quoted: bool = False) -> str:
+    """``value`` (client input) as an error message may echo it: whole when it has at most
+    ``limit`` characters, else its first ``limit`` and how many it had, as
+    ``abc... (100000 characters)``. ``quoted``: a string in ``repr``'s quotes; a value that is not
+    a string is shown by its ``repr``. A client sending 100 KB gets a message of ~200 characters.
+    """
+    if not isinstance(value, str):
+        value, quoted = repr(value), False
+    head = repr(value[:limit]) if quoted else value[:limit]
+    return head if len(value) <= limit else f"{head}... ({len(value)} characters)"
 
 
 class APIError(Exception):
@@ -287,13 +302,14 @@ class _Request(BaseModel):
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
         given = getattr(self, "max_completion_tokens", None)
         if self.max_tokens is not None and given is not None and self.max_tokens != given:
-            raise invalid(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({given}) "
+            raise invalid(f"max_tokens ({clip(self.max_tokens)}) and max_completion_tokens "
+                          f"({clip(given)}) "
                           "disagree; send one of them (max_completion_tokens is the newer name "
                           "of max_tokens)", "max_completion_tokens")
         if self.min_tokens and self.requested_max_tokens is not None and (
                 self.min_tokens > self.requested_max_tokens):
-            raise invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                          f"({self.requested_max_tokens})", "min_tokens")
+            raise invalid(f"min_tokens ({clip(self.min_tokens)}) must not exceed max_tokens "
+                          f"({clip(self.requested_max_tokens)})", "min_tokens")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -308,8 +324,7 @@ class _Request(BaseModel):
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value) if _jsonable(value) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return clip(json.dumps(value) if _jsonable(value) else repr(value), 80)
 
 
 def _jsonable(value: Any) -> bool:
@@ -364,8 +379,8 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of not in (None, 1, self.choices):
-            raise invalid(f"best_of={self.best_of} is not supported: this server returns every "
-                          f"choice it generates; accepted: null, 1 or n ({self.choices})",
+            raise invalid(f"best_of={clip(self.best_of)} is not supported: this server returns "
+                          f"every choice it generates; accepted: null, 1 or n ({self.choices})",
                           "best_of", "unsupported_parameter")
         if self.suffix:
             raise invalid(f"suffix={_shown(self.suffix)} is not supported: this server does not "
@@ -397,9 +412,10 @@ class CompletionRequest(_Request):
 def _check_response_format(response_format: dict | None) -> None:
     kind = (response_format or {}).get("type", "text")
     if kind != "text":
-        raise invalid(f"response_format type {kind!r} is not supported: this server has no "
-                      "constrained decoding, so it cannot promise JSON output; accepted: "
-                      "'text' (ask for JSON in the prompt instead)", "response_format",
+        raise invalid(f"response_format type {clip(kind, 80, quoted=True)} is not supported: "
+                      "this server has no constrained decoding, so it cannot promise JSON "
+                      "output; accepted: 'text' (ask for JSON in the prompt instead)",
+                      "response_format",
                       "unsupported_response_format")
 
 
@@ -450,7 +466,8 @@ class ChatMessage(BaseModel):
                     "unsupported_content", "content part {i} is {kind}: this server serves "
                     "text only; accepted: parts of type 'text' (and 'refusal' in an "
                     "assistant's message), or content as a string",
-                    {"i": i, "kind": f"of type {kind!r}" if kind else "not a typed object"})
+                    {"i": i, "kind": f"of type {clip(kind, 80, quoted=True)}" if kind else
+                     "not a typed object"})
             if not isinstance(part.get(_PART_TEXT[kind]), str):
                 raise PydanticCustomError(
                     "invalid_content", "content part {i} of type '{kind}' needs a string "
@@ -583,14 +600,16 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         if elsewhere and not close:
             hint = f" (a field of {elsewhere[0]}, not of {model.route})"
         others = f" (and {len(unknown) - 1} more unknown)" if len(unknown) > 1 else ""
-        raise invalid(f"unknown field {name[:80]!r}{hint}{others}: this server refuses the "
-                      "fields it does not know rather than ignore them; the fields it accepts "
-                      "are listed in docs/serve.md (Request fields)", name[:80], "unknown_field")
+        raise invalid(f"unknown field {clip(name, 80, quoted=True)}{hint}{others}: this server "
+                      "refuses the fields it does not know rather than ignore them; the fields it "
+                      "accepts are listed in docs/serve.md (Request fields)", name[:80],
+                      "unknown_field")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [str(x) for x in err["loc"] if not _is_union_branch(x)]
+        # a location can hold a client's key (an unknown key of stream_options): bounded
+        loc = [str(x)[:80] for x in err["loc"] if not _is_union_branch(x)]
         param = ".".join(loc) or None
         if err["type"] == "missing":
             message = f"missing required parameter: {param!r}"
@@ -598,9 +617,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
             accepted = ", ".join(_NESTED[loc[0]].model_fields)
             message = f"unknown field {param!r}; {loc[0]} accepts: {accepted}"
         else:
-            given = err.get("input")
-            shown = repr(given)[:80]
-            message = f"invalid value for {param!r}: {err['msg']} (got {shown})"
+            shown = clip(err.get("input"), 80, quoted=True)
+            message = f"invalid value for {param!r}: {clip(err['msg'], 500)} (got {shown})"
         raise invalid(message, param, "invalid_type" if err["type"].endswith("_type") else
                       "invalid_value") from None
 
