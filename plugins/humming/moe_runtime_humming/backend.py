@@ -87,7 +87,9 @@ def place_pairs(sp: SortedPairs, block_m: int, block_starts: torch.Tensor | None
     padded = (sp.counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
     ends = padded.cumsum(0)  # [E + 1]; the last (pairs not computed here) is not used
     starts = ends - padded
-    starts[experts] = rows  # pairs not computed here go to a spare region after the rows
+    # pairs not computed here go to a spare region after the rows; fill_, not `starts[e] = rows`:
+    # on CUDA that assignment copies a pageable host scalar, which a CUDA-graph capture refuses
+    starts[experts:].fill_(rows)
     dest = starts[sp.sorted_bucket].add_(sp.rank)
     sorted_ids = torch.full((rows + pairs,), pairs, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, sp.order)

@@ -128,3 +128,27 @@ def test_one_sort_serves_both_block_sizes_and_cached_ranges_change_nothing(n, k,
             assert torch.equal(got, want)
     # the weights of pairs routed elsewhere are masked by the sort's buckets
     assert torch.equal(sp.bucket < experts, ((ids >= 0) & (ids < experts)).reshape(-1))
+
+
+def test_routing_makes_no_scalar_copies_that_a_cuda_graph_capture_refuses():
+    """``cuda_tensor[i] = 3`` copies a pageable host scalar into device memory, which a CUDA-graph
+    capture refuses (the H200 tune of 2026-12-04 found the routing doing it, so humming never
+    captured). On CPU the same assignment shows as ``aten.copy_`` from a 0-dim tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_runtime_humming.backend import route
+
+    class ScalarCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.copy_ and args[1].dim() == 0:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(-1, 9, (16, 4), generator=torch.Generator().manual_seed(8))
+    with ScalarCopies() as mode:
+        route(ids, 8, 16)
+    assert mode.seen == []
