@@ -382,6 +382,12 @@ class ExpertsBackendSpec:
     :param supports: the declaration, one or more :class:`Support` blocks.
     :param priority: higher wins when several backends can run a layer; ties break by name.
     :param description: one sentence for ``moe-runtime plugins``.
+    :param cuda_graphs: ``True`` promises that ``forward`` can be captured in a CUDA graph and
+        replayed (no host synchronization, no copy from pageable host memory, nothing sized from
+        data on the host). ``moe-runtime serve`` replays decode steps as CUDA graphs only when
+        every experts backend of the plan promises it (else decode runs eagerly and the server
+        says why), and the conformance suite captures and replays every declared combination on
+        a CUDA device to prove it. Default ``False``: nothing is captured.
     """
 
     name: str
@@ -389,7 +395,14 @@ class ExpertsBackendSpec:
     supports: tuple[Support, ...] = attrs.field(converter=_tuple)
     priority: int = 0
     description: str = ""
+    cuda_graphs: bool = attrs.field(default=False, kw_only=True)
     role = "experts"
+
+    @cuda_graphs.validator
+    def _check_graphs(self, _attr, value):
+        if not isinstance(value, bool):
+            raise ValueError(f"experts backend {self.name!r} declares cuda_graphs={value!r}; "
+                             "accepted: True (forward can be captured in a CUDA graph) or False")
 
     @supports.validator
     def _check(self, _attr, value):

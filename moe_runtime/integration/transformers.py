@@ -70,6 +70,9 @@ class LoadedModel:
     tokenizer: object = None
     name: str = ""
     generation_defaults: dict = attrs.field(factory=dict)
+    #: experts backends of the plan that do not declare ``cuda_graphs=True`` (decode then runs
+    #: eagerly in ``moe-runtime serve``)
+    graph_blockers: tuple[str, ...] = ()
 
     def plan_json(self) -> dict:
         """What runs each MoE layer, as JSON (``GET /v1/moe/plan``): ``loader``, ``dtype``,
@@ -261,7 +264,11 @@ def load_model(
     bar.close()
     tensors.close()
     model.eval()
-    return LoadedModel(model, ckpt, plan, linears, dtype, device, name=model_dir.name)
+    blockers = () if plan is None else tuple(sorted(
+        {name for lp in plan.layers for name in lp.experts_backends
+         if not registry.experts_spec(name).cuda_graphs}))
+    return LoadedModel(model, ckpt, plan, linears, dtype, device, name=model_dir.name,
+                       graph_blockers=blockers)
 
 
 def _load_dtype(dtype, ckpt) -> torch.dtype:

@@ -108,13 +108,14 @@ def plan_token_bound(plan: Any) -> tuple[int | None, str]:
 def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                        requested: bool | None = None, prefill: dict | None = None,
                        prefill_eager_because: str = "MOE_RUNTIME_GRAPH_PREFILL=1 graphs it",
-                       ) -> GraphChoice:
+                       blockers: tuple[str, ...] = ()) -> GraphChoice:
     """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
     is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures.
 
     ``prefill`` (a :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`, given when prefill
     graphing is asked for) makes steps with prefill tokens replay graphs too, within its bound;
-    without it, ``prefill_eager_because`` says why they run eagerly.
+    without it, ``prefill_eager_because`` says why they run eagerly. ``blockers``: experts
+    backends of the plan that do not declare ``cuda_graphs=True``; any turns graphs off.
     """
     import torch
 
@@ -126,6 +127,10 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                                   "graph can replay a decode step")
     if requested is False:
         return GraphChoice(False, "turned off by the engine's cuda_graphs=False")
+    if blockers:
+        return GraphChoice(False, f"experts backend {', '.join(blockers)} of the plan does not "
+                                  f"declare cuda_graphs=True (a forward that synchronizes with "
+                                  f"the host cannot be captured), so decode runs eagerly")
     decode = (f"decode batches replayed from graphs captured per padded size (powers of two on "
               f"flash attention's decode path, else multiples of 8), at most {max_tokens} tokens "
               f"({bound_from})")

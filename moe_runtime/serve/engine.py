@@ -192,7 +192,8 @@ class Engine:
         self._graph_args = (device, batching_choice.path, self.batch_cap,
                             bound_from if bound and bound < max_batch_size else "max_batch_size",
                             cuda_graphs)
-        graphs = choose_cuda_graphs(*self._graph_args, prefill=prefill)
+        graphs = choose_cuda_graphs(*self._graph_args, prefill=prefill,
+                                    blockers=loaded.graph_blockers)
         self.batching = attrs.evolve(batching_choice, graphs=graphs)
         self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
                                     max_batch=self.batch_cap,
@@ -302,7 +303,8 @@ class Engine:
                 eager_because = f"its capture failed at warm-up: {policy.capture_failures[0]}"
             if self.batching.graphs.prefill and policy is not None and not policy.prefill:
                 self.batching = attrs.evolve(self.batching, graphs=choose_cuda_graphs(
-                    *self._graph_args, prefill_eager_because=eager_because))
+                    *self._graph_args, prefill_eager_because=eager_because,
+                    blockers=self.loaded.graph_blockers))
                 log.info("batching: %s", self.batching.describe())
         manager.start()
         return manager

@@ -303,10 +303,15 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
             raise failed(exc) from exc
         _unchanged(case, "forward", "Dispatched", inputs_before, _tensors_of(d), replay)
         _check_output(case, d, out, dtype, replay)
+        # declared capturable: what serve does with decode steps on a CUDA device
+        if bspec.cuda_graphs and out.is_cuda and d.hidden.shape[0]:
+            replayed.append(comm.combine(_graph_replay(case, backend, d, out, replay), handle)
+                            .float().cpu())
         return comm.combine(out, handle).float().cpu()
 
     # the backend gets the weights under the case's own format name; the reference its twin's
     labelled = attrs.evolve(weights, format=case.format)
+    replayed: list[torch.Tensor] = []  # the CUDA-graph replay's output, on CUDA devices
     got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden, checked=True)
     ref_runs_as = _reference_format(registry, case.runs_as)
     ref = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float())
@@ -324,8 +329,49 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
              for staged in ((False, True) if weight_only else (False,))]
     envelope = quantization_envelope(weights, hidden, valid, tw, ref_runs_as, dtype)
     result = judge(case.id, got, ref, emuls, dtype, envelope)
+    for g in replayed:  # the replay is judged like the eager call, with the same budgets
+        again = judge(case.id, g, ref, emuls, dtype, envelope)
+        result["failures"] += [f"CUDA-graph replay: {f}" for f in again["failures"]]
+        if not torch.isfinite(g).all():
+            result["failures"].append("CUDA-graph replay: output has NaN or inf (poisoned before "
+                                      "the replay: the captured forward does not write it all)")
+        result["ratio"] = max(result["ratio"], again["ratio"])
     result["device"] = device
+    result["graph_replayed"] = bool(replayed)
     return result
+
+
+def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str) -> torch.Tensor:
+    """Capture ``backend.forward(d)`` in a CUDA graph (after warm-up calls on a side stream, as
+    serve's decode graphs are made), poison its output with NaN, replay it; the output.
+
+    Run for backends that declare ``cuda_graphs=True``: ``moe-runtime serve`` then replays decode
+    steps as CUDA graphs on a CUDA device, so a forward that cannot be captured would fail every
+    request there."""
+    from moe_runtime.tuning.measure import capture_graphs
+
+    try:
+        [(again, out)] = capture_graphs(lambda *_: backend.forward(d), [(None, None, None)],
+                                        str(eager.device))
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise AssertionError(
+            f"{case.id}: {case.backend} declares cuda_graphs=True, but its forward cannot be "
+            f"captured in a CUDA graph: "
+            f"{type(exc).__name__}: {text[0][:300] if text else ''}. `moe-runtime serve` then replays "
+            f"decode steps as CUDA graphs on CUDA devices, so a forward must not synchronize with "
+            f"the host (.item(), .tolist(), .cpu(), a data-dependent shape) nor copy from pageable "
+            f"host memory (`cuda_tensor[i] = 3` does; `cuda_tensor[i:i + 1].fill_(3)` does not); or "
+            f"declare cuda_graphs=False. Replay: {replay}") from None
+    if not isinstance(out, torch.Tensor) or out.shape != eager.shape or out.dtype != eager.dtype:
+        raise AssertionError(f"{case.id}: {case.backend}'s captured forward returned "
+                             f"{getattr(out, 'shape', type(out).__name__)}, the eager one "
+                             f"{tuple(eager.shape)} {eager.dtype}. Replay: {replay}")
+    if out.is_floating_point():
+        out.fill_(float("nan"))
+    again()
+    torch.cuda.synchronize(out.device)
+    return out.clone()
 
 
 def _tensors_of(record) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ def test_conformance_declared_combination_matches_reference(
         pytest.skip(str(why))
     record_property("error_budget_ratio", r["ratio"])
     record_property("format", experts_case.runs_as)
+    record_property("cuda_graph_replayed", r.get("graph_replayed", False))
     assert not r["failures"], (
         f"{experts_case.id} (device {r['device']}): " + "; ".join(r["failures"])
         + f". Replay: {replay_command(experts_case.backend, experts_case.id, conformance_seed)}"

@@ -160,6 +160,28 @@ def test_the_graph_choice_says_whether_prefill_is_graphed():
     assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "x", False, prefill=bound).on
 
 
+def test_graphs_stay_off_while_an_experts_backend_of_the_plan_does_not_declare_them():
+    off = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size",
+                             blockers=("example_bmm", "reference"))
+    assert not off.on and off.max_tokens is None
+    assert ("experts backend example_bmm, reference of the plan does not declare "
+            "cuda_graphs=True") in off.describe()
+    assert choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size", blockers=()).on
+
+
+def test_a_loaded_model_names_the_experts_backends_that_keep_graphs_off(model_dir):
+    from moe_runtime.plugin.registry import Registry
+
+    loaded = load_for_serving(model_dir, dtype="float32", progress=False)
+    registry = Registry.load()
+    held = {name for lp in loaded.plan.layers for name in lp.experts_backends}
+    assert held  # the CPU plan's backends (reference, cpu_dequantized) promise no capture
+    assert set(loaded.graph_blockers) == {n for n in held if not registry.experts_spec(n).cuda_graphs}
+    assert set(loaded.graph_blockers) == held
+    # the GPU backends promise it (and the suite proves it on a CUDA device)
+    assert registry.experts_spec("triton").cuda_graphs
+
+
 @pytest.fixture
 def cpu_processor(model_dir):
     """transformers' own batch processor, made on CPU, its runner set as CUDA graphs set it

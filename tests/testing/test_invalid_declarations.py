@@ -135,6 +135,9 @@ def test_an_explicit_plugin_with_an_invalid_declaration_raises():
      "factory 'pkg.experts' must be 'module:Class'"),
     (lambda: ExpertsBackendSpec("x", "m:C", [Support(formats=["bf16"])], priority=True),
      "declares priority=True; accepted: an integer"),
+    (lambda: ExpertsBackendSpec("x", "m:C", [Support(formats=["bf16"])], cuda_graphs="yes"),
+     "declares cuda_graphs='yes'; accepted: True (forward can be captured in a CUDA graph) or "
+     "False"),
     (lambda: ExpertsBackendSpec("x y", "m:C", [Support(formats=["bf16"])]),
      "backend name 'x y': accepted: a non-empty string"),
     (lambda: ExpertsBackendSpec("x", "m:C", [CommSupport(layout="masked")]),

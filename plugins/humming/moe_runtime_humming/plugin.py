@@ -37,6 +37,9 @@ HUMMING_EXPERTS = ExpertsBackendSpec(
     # wide experts) but slower at 1 token, where decode spends its steps (benchmarks/RESULTS.md);
     # pin it with --moe-runner-backend humming for prefill-heavy work
     priority=20,
+    # routing and combine are torch ops sized from shapes, the kernels compiled at prepare: the
+    # conformance suite captures and replays every declared combination on the H200
+    cuda_graphs=True,
     description="Humming (humming-kernels) NVFP4 W4A16 MoE GEMMs with moe-runtime's routing and "
                 "combine, compute capability 9.0.",
 )
