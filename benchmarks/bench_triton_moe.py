@@ -1145,6 +1145,9 @@ def main(argv=None):
     with open(outdir / "results.json", "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     if tuned:
+        # the plugin applies a table only on the compute capability it was tuned on (ops._meta)
+        tuned["_meta"] = {"capability": meta["capability"], "device": meta["device"],
+                          "source": f"{meta['command']} ({meta['date']})"}
         with open(outdir / "configs.json", "w") as fh:
             json.dump(tuned, fh, indent=1, sort_keys=True)
     table, changes = grouped_table(ops, rows)

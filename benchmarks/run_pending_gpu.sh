@@ -7,6 +7,8 @@
 #   bash benchmarks/run_pending_gpu.sh kernels   # issues 14 and 20: TMA and W4A16 paths; ~8 min
 #   bash benchmarks/run_pending_gpu.sh tune      # issue 14: tune triton vs humming; ~5 min
 #                                                # (carry .whl: the humming wheel)
+#   bash benchmarks/run_pending_gpu.sh conformance  # triton and humming, CUDA-graph replays too,
+#                                                # then the tune; ~6 min (carry .whl)
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -58,6 +60,8 @@ tune)
     wheels .whl
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --layers 1 --quant nvfp4 --no-progress
+    python -m pip install -q --no-deps --no-build-isolation --no-index -e plugins/humming \
+        >>"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
     step tune 300 moe-runtime tune /tmp/q30 --tokens 1,16,128,1024,4096 --backends triton,humming \
         --cache "$OUT/tuning.json"
     for n in 1 128 4096; do
@@ -68,8 +72,23 @@ tune)
     step plan_ranges 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
         --max-tokens-per-rank 4096 --token-ranges
     ;;
+conformance)
+    # every declared combination of both NVFP4-capable backends, each forward also captured in a
+    # CUDA graph and its replay judged (what serve does with decode steps), then the tune again
+    wheels .whl
+    python -m pip install -q --no-deps --no-build-isolation --no-index -e plugins/humming \
+        >>"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 3; }
+    step conformance_triton 120 moe-runtime conformance triton
+    step conformance_humming 200 moe-runtime conformance humming
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --layers 1 --quant nvfp4 --no-progress
+    step tune 200 moe-runtime tune /tmp/q30 --tokens 1,16,128,1024,4096 --backends triton,humming \
+        --cache "$OUT/tuning.json"
+    step plan_ranges 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
+        --max-tokens-per-rank 4096 --token-ranges
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance" >&2
     exit 2
     ;;
 esac
