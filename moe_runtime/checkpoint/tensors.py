@@ -47,6 +47,46 @@ class WeightError(CheckpointError):
     """A tensor is missing, has the wrong shape or dtype, or a shared scale is not shared."""
 
 
+_CHUNK = 1 << 26  # elements per pass of the finiteness scan (a bool temporary of 64 MiB at most)
+
+
+def nonfinite(t) -> tuple[int, int]:
+    """``(count, first flat index)`` of the NaN and infinite values of ``t`` (``(0, -1)`` when
+    there are none). float8 e4m3fn counts its NaN codes (it has no infinity); e5m2 its codes of
+    an all-ones exponent; integer tensors, packed NVFP4 included (e2m1 has no such codes), have
+    none. Scans on ``t``'s device, in chunks."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if t.dtype == torch.float8_e4m3fn:
+        bad_of = lambda c: (c.view(torch.uint8) & 0x7F) == 0x7F
+    elif t.dtype == torch.float8_e5m2:
+        bad_of = lambda c: (c.view(torch.uint8) & 0x7C) == 0x7C
+    elif t.is_floating_point():
+        bad_of = lambda c: ~torch.isfinite(c)
+    else:
+        return 0, -1
+    count, first = 0, -1
+    for start in range(0, flat.numel(), _CHUNK):
+        bad = bad_of(flat[start:start + _CHUNK])
+        n = int(bad.sum())
+        if n and first < 0:
+            first = start + int(bad.nonzero()[0, 0])
+        count += n
+    return count, first
+
+
+def require_finite(t, what: str, where: str = "") -> None:
+    """Raise :class:`WeightError` naming ``what`` when ``t`` holds a NaN or an infinity: a model
+    served with one answers every request with garbage (or NaN logits), so loading stops."""
+    count, first = nonfinite(t)
+    if count:
+        raise WeightError(
+            f"{what}{where} holds {count} NaN or infinite value(s) of {t.numel()} (the first at "
+            f"flat index {first}, shape {list(t.shape)}); every served weight must be finite: "
+            "re-export or repair the checkpoint")
+
+
 @attrs.frozen
 class TensorMeta:
     """One tensor's header entry: safetensors dtype code (``"U8"``, ``"F8_E4M3"``...) and shape."""

@@ -19,7 +19,7 @@ from typing import Callable
 import attrs
 import torch
 
-from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
+from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError, nonfinite, require_finite
 from moe_runtime.dtypes import MODEL_DTYPES, model_dtype_name, torch_dtype
 
 EXPERTS_IMPLEMENTATION = "moe_runtime"
@@ -377,6 +377,7 @@ def _load_dense(model, keys, tensors, config, dtype, model_dir, bar) -> dict[str
             raise WeightError(f"tensor {src!r} has shape {list(value.shape)}; the model "
                               f"expects {list(target.shape)} for {key!r}")
         target.data.copy_(value.to(target.dtype))
+        require_finite(target.data, f"tensor {src!r}", f" of {model_dir}")  # on the device
         bar.update(1)
     return linears
 
@@ -391,6 +392,8 @@ def _load_experts(mod, layer, tensors, dtype, device, place: _ExpertsPlacement |
 
         w = load_expert_weights(tensors, layer, dtype=dtype)
         w13, w2 = dequantize_expert_weights(w, torch.float32)
+        for name, t in (("gate/up", w13), ("down", w2)):
+            _require_finite_experts(t, layer, name)
         mod.gate_up_proj.data.copy_(w13.to(dtype))
         mod.down_proj.data.copy_(w2.to(dtype))
         return
@@ -400,12 +403,31 @@ def _load_experts(mod, layer, tensors, dtype, device, place: _ExpertsPlacement |
     lp = place.plan.for_layer(layer.name)
     ids = local_experts(lp.problem.num_experts, place.ep_size, place.ep_rank)
     w = load_expert_weights(tensors, layer, experts=ids, dtype=dtype).to(device)
+    for name in ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2", "a13_scale",
+                 "a2_scale"):
+        if getattr(w, name) is not None:  # scanned on the device the weights went to
+            _require_finite_experts(getattr(w, name), layer, name, ids)
     mod._moe_runtime_executor = build_executor(
         lp, place.registry, w, device=device, ep_rank=place.ep_rank, ep_size=place.ep_size,
         group=place.group, max_tokens_per_rank=place.deployment.max_tokens_per_rank)
     mod._moe_runtime_max_tokens = place.max_tokens_per_forward
     # under EP the bound picks the mode, alike on every rank; on one rank the batch
     mod._moe_runtime_mode_tokens = place.max_tokens_per_forward if place.ep_size > 1 else None
+
+
+def _require_finite_experts(t: torch.Tensor, layer, what: str, ids=None) -> None:
+    """The experts' stacked ``what`` (``[E, ...]``) finite, or a :class:`WeightError` naming the
+    layer, the expert and its checkpoint tensors' prefix."""
+    count, first = nonfinite(t)
+    if not count:
+        return
+    per = max(1, t.numel() // max(1, t.shape[0])) if t.dim() else 1
+    e = first // per if t.dim() else 0
+    expert = list(ids)[e] if ids is not None and t.dim() else e
+    raise WeightError(
+        f"layer {layer.name}: the experts' {what} holds {count} NaN or infinite value(s) of "
+        f"{t.numel()}, the first in expert {expert} (tensors {layer.name}.{expert}.*); every "
+        "served weight must be finite: re-export or repair the checkpoint")
 
 
 def _check_token_bound(bound: int | None, deployment, ep_size: int) -> None:

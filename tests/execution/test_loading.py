@@ -143,3 +143,55 @@ def test_peak_memory_stays_near_one_layer(tiny_checkpoint, tmp_path):
     assert total_kb > 6 * r["largest_layer_kb"]  # the checkpoint is several layers large
     # peak growth is bounded by a couple of layers, not by the checkpoint
     assert r["growth_kb"] < 3 * r["largest_layer_kb"], (r, total_kb)
+
+
+@pytest.mark.parametrize("fmt, pick, value, needle", [
+    # a dense weight: the tensor named
+    ("bf16", lambda names, layer: "model.layers.0.self_attn.q_proj.weight", float("nan"),
+     r"tensor 'model.layers.0.self_attn.q_proj.weight' of .* holds 1 NaN or infinite value\(s\)"),
+    ("bf16", lambda names, layer: "model.norm.weight", float("inf"),
+     r"tensor 'model.norm.weight' of .* holds 1 NaN or infinite"),
+    # an expert's weight: the layer and the expert named
+    ("bf16", lambda names, layer: f"{layer.name}.5.{layer.expert_names[2]}.weight",
+     float("-inf"), r"experts' w2 holds 1 NaN or infinite value\(s\) .* in expert 5 "),
+    # fp8: e4m3fn's NaN code, which no float comparison on the bytes would see as a value
+    ("fp8", lambda names, layer: f"{layer.name}.3.{layer.expert_names[0]}.weight", float("nan"),
+     r"experts' w13 holds 1 NaN or infinite value\(s\) .* in expert 3 "),
+])
+def test_a_weight_that_is_not_finite_stops_loading_and_is_named(tiny_checkpoint, tmp_path, fmt,
+                                                                 pick, value, needle):
+    from moe_runtime.integration.transformers import load_model
+
+    path = tiny_checkpoint("qwen3_moe", fmt)
+    layer = _layer(path)
+    raw = load_file(str(path / "model.safetensors"))
+    name = pick(raw, layer)
+    assert name in raw, sorted(raw)[:20]
+
+    def poison(t):
+        w = t[name].clone()
+        w.view(-1)[7] = value  # float8 stores NaN as its own code
+        t[name] = w
+
+    bad = _rewrite(path, tmp_path / "bad", poison)
+    with pytest.raises(WeightError, match=needle):
+        load_model(bad, dtype="float32")
+    load_model(path, dtype="float32")  # the untouched export loads
+
+
+def test_nonfinite_counts_each_format_and_finds_the_first(tmp_path):
+    from moe_runtime.checkpoint.tensors import nonfinite
+
+    x = torch.randn(1000)
+    assert nonfinite(x) == (0, -1)
+    x[[17, 400]] = torch.tensor([float("nan"), float("inf")])
+    assert nonfinite(x) == (2, 17)
+    assert nonfinite(x.to(torch.bfloat16)) == (2, 17)
+    f8 = torch.randn(64).to(torch.float8_e4m3fn)
+    assert nonfinite(f8) == (0, -1)
+    f8[9] = float("nan")
+    assert nonfinite(f8) == (1, 9)
+    e5 = torch.randn(64).to(torch.float8_e5m2)
+    e5[3] = float("inf")
+    assert nonfinite(e5) == (1, 3)
+    assert nonfinite(torch.full((8,), 255, dtype=torch.uint8)) == (0, -1)  # packed NVFP4

@@ -113,3 +113,27 @@ def test_an_architecture_no_batching_path_holds_is_refused_naming_the_served_one
     assert "Qwen3NextForCausalLM (Qwen3-Next) plans, but moe-runtime serve cannot serve it" \
         in r.stderr
     assert "recurrent state" in r.stderr and "DeepSeek-V3 (DeepseekV3ForCausalLM)" in r.stderr
+
+
+def test_a_nan_in_a_weight_is_refused_at_start_up_naming_the_tensor(deepseek, tmp_path):
+    """A NaN weight would answer every request with garbage; the server refuses to start and
+    names the tensor (the default model's shards are read and rewritten as they are)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(deepseek, folder)
+    name = "model.layers.0.input_layernorm.weight"
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        if name in tensors:
+            w = tensors[name].clone()
+            w[3] = float("nan")
+            tensors[name] = w
+            save_file(tensors, str(f), metadata={"format": "pt"})
+            break
+    else:
+        pytest.fail(f"{name} is in none of the default model's files")
+    r = _serve("--model", str(folder))
+    assert r.returncode == 1
+    assert f"tensor '{name}'" in r.stderr and "holds 1 NaN or infinite value(s)" in r.stderr
+    assert "Traceback" not in r.stderr and "ready: " not in r.stderr
