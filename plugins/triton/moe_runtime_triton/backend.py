@@ -35,6 +35,10 @@ class TritonExperts(ExpertsBackend):
         # the TMA path's weight views the tuned table (or MOE_TRITON_TMA=1) will ask for, now:
         # never inside a CUDA graph capture
         ops.prepare_tma_views(self.weights, self._top_k)
+        # likewise the NVFP4 W4A16 tile path's repacked weights, only where the tuned table has a
+        # "w4a16" config for this layer's shape (or MOE_TRITON_W4A16=1): each layout a second copy
+        # of the layer's 4-bit weights, so without an opt-in the memory is unchanged
+        ops.prepare_w4a16_views(self.weights, self._top_k)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per layer, bounded by token counts
     def _config(self, n_tokens: int, top_k: int) -> dict:

@@ -78,6 +78,11 @@ class PreparedWeights:
     # or at the first eager call that asks for them, never inside a CUDA graph capture; and under
     # "why", tma_unavailable's answer
     tma_views: dict = attrs.field(factory=dict, eq=False, repr=False)
+    # the W4A16 tile path's repacked weights (w4a16.W4A16Weights) by layout (w4a16_layout_key),
+    # built once, at prepare (prepare_w4a16_views) or at the first eager call that asks for them,
+    # never inside a CUDA graph capture; and under "why", w4a16_unavailable's answer. Each is a
+    # second copy of the layer's 4-bit codes and block scales: made only on opt-in
+    w4a16_views: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def weight_dtype_name(self) -> str:
@@ -408,6 +413,14 @@ def fused_moe_prepared(
                                      tma_weights(pw, bool(tma_cfg.get("fused_gu", True))),
                                      hidden_scale=hidden_scale, out_dtype=out_dtype,
                                      config=tma_cfg, _stages=_stages)
+        w4_cfg = w4a16_config(pw, cfg, N, topk)
+        if w4_cfg is not None and hidden_scale is None:
+            from moe_runtime_triton import w4a16
+
+            ww = w4a16_weights(pw, w4a16_layout(pw, w4_cfg))
+            return w4a16.fused_moe_w4a16(hidden, topk_ids, topk_weights, ww, out_dtype=out_dtype,
+                                         config=w4a16_call_config(ww, w4_cfg, N, topk),
+                                         _stages=_stages)
     hidden, compute, out_dtype = _activations(hidden, hidden_scale, pw, out_dtype)
     out = torch.empty((N, H), dtype=out_dtype, device=hidden.device)
     if N == 0:
@@ -748,6 +761,162 @@ def prepare_tma_views(pw: PreparedWeights, topk: int) -> list[bool]:
     return sorted(wanted)
 
 
+# ----------------------------------------------------------------------------------------------
+# W4A16 tile-layout path (moe_runtime_triton.w4a16), NVFP4 weights
+# ----------------------------------------------------------------------------------------------
+
+W4A16_ENV = "MOE_TRITON_W4A16"
+# keys of a tuned entry's "w4a16" config: "layout" (fixed at load, w4a16_layout) and the keys of
+# w4a16.default_config's dict and its optional overrides (those benchmarks/bench_w4a16.py measures)
+W4A16_CONFIG_KEYS = ("layout", "fused", "BLOCK_T", "num_warps", "num_stages", "mma_sync", "x_f16",
+                     "pairs", "split_k", "fold")
+W4A16_LAYOUT_FIELDS = ("gate_up_rows", "gate_up_cols", "down_rows", "down_cols", "interleave")
+
+
+def w4a16_mode(value: str | None = None) -> str:
+    """``MOE_TRITON_W4A16`` (or ``value``): ``"0"`` never, ``"1"`` on every token-major call where the
+    path can run (the tuned entry's ``"w4a16"`` config, else :func:`w4a16.default_config` on
+    :func:`w4a16.default_layout`), unset or empty: where the tile config (the tuned table's entry)
+    has a ``"w4a16"`` config."""
+    mode = (os.environ.get(W4A16_ENV, "") if value is None else value).strip()
+    if mode not in GROUPED_MM_MODES:
+        raise ValueError(f"{W4A16_ENV}={mode!r}: accepted values are '0' (never), '1' (every "
+                         "token-major call where the W4A16 tile path can run) or unset (the tuned "
+                         "table)")
+    return mode
+
+
+W4A16_MODE = w4a16_mode()
+
+
+def w4a16_unavailable(pw: PreparedWeights) -> str | None:
+    """Why the W4A16 tile path cannot run ``pw`` (``None``: it can): it reads NVFP4 weights only
+    (the same decode and compute capabilities as the sorted path's NVFP4 kernels)."""
+    if "why" in pw.w4a16_views:  # once per prepared weights: it is asked on every call
+        return pw.w4a16_views["why"]
+    why = None
+    if pw.wfmt != K.WFMT_NVFP4:
+        why = f"the W4A16 tile path reads NVFP4 weights; these run as {pw.run_as}"
+    pw.w4a16_views["why"] = why
+    return why
+
+
+def _check_w4a16_config(w4_cfg) -> None:
+    if not isinstance(w4_cfg, dict):
+        raise ValueError(f"a tuned entry's \"w4a16\" must be a dict of {list(W4A16_CONFIG_KEYS)}, "
+                         f"got {w4_cfg!r}")
+    bad = sorted(set(w4_cfg) - set(W4A16_CONFIG_KEYS))
+    if bad:
+        raise ValueError(f"unknown key(s) {bad} in a \"w4a16\" config; accepted: "
+                         f"{list(W4A16_CONFIG_KEYS)}")
+
+
+def w4a16_layout(pw: PreparedWeights, w4_cfg: dict):
+    """The ``w4a16.W4A16Layout`` of a ``"w4a16"`` config: its ``"layout"``, a list
+    ``[gate_up_rows, gate_up_cols, down_rows, down_cols]`` (optionally ``interleave`` fifth, the
+    tuples of ``benchmarks/bench_w4a16.py``'s ``LAYOUTS``) or a dict of those fields; absent or
+    null: ``w4a16.default_layout`` of the shape. Checked (powers of two, fused-compatible)."""
+    from moe_runtime_triton import w4a16
+
+    _check_w4a16_config(w4_cfg)
+    spec = w4_cfg.get("layout")
+    if spec is None:
+        lo = w4a16.default_layout(pw.hidden_size, pw.intermediate_size)
+    elif isinstance(spec, dict):
+        bad = sorted(set(spec) - set(W4A16_LAYOUT_FIELDS))
+        if bad:
+            raise ValueError(f"unknown W4A16 layout field(s) {bad}; accepted: "
+                             f"{list(W4A16_LAYOUT_FIELDS)}")
+        lo = w4a16.W4A16Layout(**spec)
+    elif isinstance(spec, (list, tuple)) and 4 <= len(spec) <= 5:
+        lo = w4a16.W4A16Layout(*spec)
+    else:
+        raise ValueError(f"a \"w4a16\" layout is [gate_up_rows, gate_up_cols, down_rows, "
+                         f"down_cols(, interleave)] or a dict of {list(W4A16_LAYOUT_FIELDS)}, "
+                         f"got {spec!r}")
+    lo.check()
+    if not lo.fused:
+        raise ValueError(f"W4A16 layout {spec!r}: down_cols ({lo.down_cols}) must equal the "
+                         f"intermediate columns of a GEMM 1 tile ({lo.inter_cols})")
+    return lo
+
+
+def w4a16_config(pw: PreparedWeights, cfg: dict, n_tokens: int, topk: int) -> dict | None:
+    """The W4A16 tile path's ``"w4a16"`` config for a call with tile config ``cfg`` (the entry's,
+    ``{}`` for the defaults under ``MOE_TRITON_W4A16=1``), or ``None`` where the sorted, decode,
+    torch grouped or TMA path runs instead (:data:`W4A16_MODE`, the entry's ``"w4a16"``, and
+    whether the path can run these weights)."""
+    if W4A16_MODE == "0" or (W4A16_MODE == "" and not cfg.get("w4a16")):
+        return None
+    if w4a16_unavailable(pw) is not None:
+        return None
+    return cfg.get("w4a16") or {}
+
+
+def w4a16_call_config(ww, w4_cfg: dict, n_tokens: int, topk: int) -> dict:
+    """The ``w4a16.fused_moe_w4a16`` config of one call: ``w4a16.default_config`` for this token
+    count with the ``"w4a16"`` config's keys over it (as ``benchmarks/bench_w4a16.py`` builds its
+    variants). A config whose one-launch (``fused``) or pairs path cannot take this many tokens
+    (an entry serves the token counts nearest to its own) runs the grouped path instead."""
+    from moe_runtime_triton import w4a16
+
+    _check_w4a16_config(w4_cfg)
+    cfg = {**w4a16.default_config(ww, n_tokens, topk),
+           **{k: v for k, v in w4_cfg.items() if k != "layout"}}
+    P = n_tokens * topk
+    if cfg.get("fused") and n_tokens > ww.acc.shape[0]:
+        cfg["fused"] = False
+    if cfg.get("pairs") and not cfg.get("fused"):
+        split = w4a16.split_k(ww, P, cfg.get("split_k", 1))
+        if (split > 1 and P > ww.ws.shape[0]) or (cfg.get("fold") and n_tokens > ww.acc.shape[0]):
+            cfg["pairs"] = False
+    return cfg
+
+
+def w4a16_layout_key(lo) -> tuple:
+    return attrs.astuple(lo)
+
+
+def w4a16_weights(pw: PreparedWeights, lo):
+    """The repacked weights of ``pw`` in layout ``lo`` (``w4a16.W4A16Weights``), built on first use
+    and kept with ``pw``: a second copy of the layer's 4-bit codes and block scales, for as long as
+    the weights live."""
+    key = w4a16_layout_key(lo)
+    ww = pw.w4a16_views.get(key)
+    if ww is None:
+        if pw.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the W4A16 path's repacked weights are built outside CUDA graph capture: call "
+                "ops.prepare_w4a16_views(pw, ...) (the backend's prepare does) or run the call "
+                "once eagerly before capturing it")
+        from moe_runtime_triton import w4a16
+
+        ww = pw.w4a16_views[key] = w4a16.from_prepared(pw, lo)
+    return ww
+
+
+def prepare_w4a16_views(pw: PreparedWeights, topk: int) -> list[tuple]:
+    """Build, at load, the repacked weights that the calls on these weights will ask for: one per
+    layout of the tuned table's entries with a ``"w4a16"`` config for this shape, and with
+    ``MOE_TRITON_W4A16=1`` the default layout's. Returns the layout keys built (none where the
+    path cannot run or nothing opts in: memory unchanged)."""
+    if W4A16_MODE == "0" or w4a16_unavailable(pw) is not None:
+        return []
+    E, H, I = pw.num_experts, pw.hidden_size, pw.intermediate_size
+    entry = _tuned_table().get(table_key(pw.run_as, E, H, I, topk)) if _table_applies() else None
+    layouts = [w4a16_layout(pw, c["w4a16"]) for c in (entry or {}).values()
+               if isinstance(c, dict) and c.get("w4a16")]
+    if W4A16_MODE == "1":
+        layouts.append(w4a16_layout(pw, {}))  # w4a16.default_config's, on the default layout
+    built = []
+    for lo in layouts:
+        key = w4a16_layout_key(lo)
+        if key not in built:
+            w4a16_weights(pw, lo)
+            built.append(key)
+    return built
+
+
 def _grouped_gemm(op: str, a, b, offs, scale_a=None, scale_b=None):
     """``a [M, K]`` rows grouped by ``offs`` (cumulative ends, int32) times ``b [G, K, N]``
     (a transposed view of the ``[G, N, K]`` weights). Rows past ``offs[-1]`` are left unwritten."""
@@ -840,14 +1009,20 @@ def describe_config(cfg: dict[str, Any]) -> str:
         d1, d2 = cfg["d1"], cfg["d2"]
         return (("grouped_mm, else " if cfg.get("grouped_mm") else "")
                 + f"decode d1[N{d1['BLOCK_N']} K{d1['BLOCK_K']} w{d1['num_warps']} s{d1['num_stages']}] "
-                f"d2[N{d2['BLOCK_N']} K{d2['BLOCK_K']} w{d2['num_warps']} s{d2['num_stages']}]")
+                f"d2[N{d2['BLOCK_N']} K{d2['BLOCK_K']} w{d2['num_warps']} s{d2['num_stages']}]"
+                + (f" w4a16[{_w4a16_describe(cfg['w4a16'])}]" if cfg.get("w4a16") else ""))
     g1, g2 = cfg["g1"], cfg["g2"]
     return (f"M{cfg['BLOCK_M']} g1[N{g1['BLOCK_N']} K{g1['BLOCK_K']} G{g1['GROUP_M']} "
             f"w{g1['num_warps']} s{g1['num_stages']}] g2[N{g2['BLOCK_N']} K{g2['BLOCK_K']} "
             f"G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}]"
             + (" preq" if cfg.get("a_prequant") else "")
             + (" grouped_mm" if cfg.get("grouped_mm") else "")
-            + (f" tma[{_tma_describe(cfg['tma'])}]" if cfg.get("tma") else ""))
+            + (f" tma[{_tma_describe(cfg['tma'])}]" if cfg.get("tma") else "")
+            + (f" w4a16[{_w4a16_describe(cfg['w4a16'])}]" if cfg.get("w4a16") else ""))
+
+
+def _w4a16_describe(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def _tma_describe(cfg: dict) -> str:

@@ -2,11 +2,13 @@
 
 The issue-20 tile-layout path (load-time repack by :func:`prepare_w4a16`, weights as the MMA's M
 operand, a one-launch path for few pairs), exact: the decoded operand equals the reference
-dequantization bit for bit (:func:`decode_w4a16`). Not wired into the backend: its first H200 run
-was 0.47-0.69x of the default path (benchmarks/RESULTS.md), with its dots as wgmma, which sends
-the decoded tile through shared memory and leaves one CTA per SM (:func:`_mma`); the GEMMs now
-run ``mma.sync`` by default, and a few pairs can take the pairs mode (no routing launch, GEMM 1
-optionally split over K). Design notes: the plugin README, "Module notes".
+dequantization bit for bit (:func:`decode_w4a16`). Its first H200 run was 0.47-0.69x of the
+default path (benchmarks/RESULTS.md), with its dots as wgmma, which sends the decoded tile through
+shared memory and leaves one CTA per SM (:func:`_mma`); the GEMMs now run ``mma.sync`` by default
+(``r128k128 sync s3``: 1.12-1.37x the default path at 16 and 128 tokens on the H200), and a few
+pairs can take the pairs mode (no routing launch, GEMM 1 optionally split over K). Wired into
+``ops.fused_moe_prepared`` as an opt-in: a tuned-table entry's ``"w4a16"`` config or
+``MOE_TRITON_W4A16=1`` (``ops.w4a16_config``). Design notes: the plugin README, "Module notes".
 """
 
 from __future__ import annotations
@@ -140,10 +142,18 @@ def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b], dim=1).reshape(2 * a.shape[0], a.shape[1])
 
 
-def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16Weights:
+def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None, *,
+                  kernel_codes: bool = False) -> W4A16Weights:
     """Repack a layer's NVFP4 experts (checkpoint layout: codes ``[E, rows, K/2]`` uint8, even
     column in the low nibble; e4m3 block scales ``[E, rows, K/16]``; float32 global scales) into
-    the tile layout. One expert at a time (temporaries of one expert's size)."""
+    the tile layout. One expert at a time (temporaries of one expert's size).
+
+    ``kernel_codes``: the codes are already in the kernels' bit layout
+    (``ops.pack_nvfp4_for_kernels``, as ``ops.PreparedWeights`` holds them; :func:`from_prepared`).
+    The rewrite works on 4-byte groups of a row and maps zero bytes to zero bytes, and the padding
+    starts on a 4-byte boundary (``H``, ``I`` multiples of 16), so rewriting before or after the
+    padding gives the same tiles."""
+    pack = (lambda t: t) if kernel_codes else ops.pack_nvfp4_for_kernels
     if w.format not in _FORMATS:
         raise ValueError(f"the W4A16 path reads NVFP4 weights ({', '.join(_FORMATS)}), "
                          f"got {w.format!r}")
@@ -172,11 +182,10 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
     w13 = w2 = None
     for e in range(E):
         join = _interleave if lo.interleave else (lambda a, b: torch.cat([a, b]))
-        codes = ops.pack_nvfp4_for_kernels(join(_pad(w.w13[e, :I], Ip, Hp1 // 2),
-                                                _pad(w.w13[e, I:], Ip, Hp1 // 2)))
+        codes = pack(join(_pad(w.w13[e, :I], Ip, Hp1 // 2), _pad(w.w13[e, I:], Ip, Hp1 // 2)))
         sc = join(_pad(b13[e, :I], Ip, Hp1 // 16), _pad(b13[e, I:], Ip, Hp1 // 16))
         t13 = _tiles(codes, sc, lo.gate_up_rows, lo.gate_up_cols)
-        t2 = _tiles(ops.pack_nvfp4_for_kernels(_pad(w.w2[e], Hp2, Ip // 2)),
+        t2 = _tiles(pack(_pad(w.w2[e], Hp2, Ip // 2)),
                     _pad(b2[e], Hp2, Ip // 16), lo.down_rows, lo.down_cols)
         if w13 is None:
             w13 = torch.empty((E, *t13.shape), dtype=torch.uint8, device=dev)
@@ -198,6 +207,17 @@ def prepare_w4a16(w: ExpertWeights, layout: W4A16Layout | None = None) -> W4A16W
                               device=dev),
         num_experts=E, hidden_size=H, intermediate_size=I,
     )
+
+
+def from_prepared(pw: "ops.PreparedWeights", layout: W4A16Layout | None = None) -> W4A16Weights:
+    """:func:`prepare_w4a16` of the weights ``pw`` was prepared from (``ops.prepare_weights`` of
+    NVFP4 weights), read from ``pw`` itself: the same tiles. A second copy of the layer's 4-bit
+    codes and block scales (padded to the layout's tiles) beside ``pw``'s."""
+    if pw.wfmt != K.WFMT_NVFP4:
+        raise ValueError(f"the W4A16 path reads NVFP4 weights, these run as {pw.run_as!r}")
+    w = ExpertWeights(pw.run_as, pw.activation, pw.w13, pw.w2, w13_scale=pw.w13_scale,
+                      w2_scale=pw.w2_scale, w13_scale_2=pw.w13_scale_2, w2_scale_2=pw.w2_scale_2)
+    return prepare_w4a16(w, layout, kernel_codes=True)
 
 
 # ----------------------------------------------------------------------------------------------
