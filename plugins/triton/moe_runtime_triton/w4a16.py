@@ -2,15 +2,13 @@
 
 The issue-20 tile-layout path (load-time repack by :func:`prepare_w4a16`, weights as the MMA's M
 operand, a one-launch path for few pairs), exact: the decoded operand equals the reference
-dequantization bit for bit (:func:`decode_w4a16`). Its first H200 run was 0.47-0.69x of the
-default path (benchmarks/RESULTS.md), with its dots as wgmma, which sends the decoded tile through
-shared memory and leaves one CTA per SM (:func:`_mma`); the GEMMs now run ``mma.sync`` by default
-(``r128k128 sync s3``: 1.12-1.37x the default path at 16 and 128 tokens on the H200), and a few
-pairs can take the pairs mode (no routing launch, GEMM 1 optionally split over K). Wired into
+dequantization bit for bit (:func:`decode_w4a16`). The GEMMs run ``mma.sync`` (wgmma sent each
+decoded tile through shared memory at one CTA per SM: :func:`_mma`); ``r128k128 sync s3`` was
+1.12-1.37x the default path at 16 and 128 tokens on the H200 (benchmarks/RESULTS.md). A few pairs
+can take the pairs mode (no routing launch, GEMM 1 optionally split over K). Wired into
 ``ops.fused_moe_prepared`` as an opt-in: a tuned-table entry's ``"w4a16"`` config or
 ``MOE_TRITON_W4A16=1`` (``ops.w4a16_config``). Design notes: the plugin README, "Module notes".
 """
-
 from __future__ import annotations
 
 import contextlib
