@@ -18,7 +18,10 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
    store each projection as its format defines (:data:`LAYOUTS`: dtypes, shapes, scales, an
    input scale exactly when activations are quantized), no expert lies beyond ``E``, the router
    is ``[E, hidden]``; embeddings are ``[vocab_size, hidden_size]``; every other linear is stored
-   in its resolved format's dtype with that format's scales;
+   in its resolved format's dtype with that format's scales; the embeddings, the final norm, each
+   declared layer's two norms and (untied) ``lm_head.weight`` exist, and in a served family every
+   decoder layer stores the module weights and biases the other layers of its kind (MoE, dense)
+   store;
 7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
    the weights), timed;
 8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine: the
@@ -708,6 +711,9 @@ class _Check:
             return layers
         self._named_modules_exist(spec)
         self._layers_declared()
+        self._dense_present(prefix)
+        if arch.served:  # families of one decoder-layer kind per MoE-ness (not hybrid attention)
+            self._layers_alike(prefix, {s.index for s in structures})
         for layer in layers:
             self._experts(layer)
         self._embeddings()
@@ -767,6 +773,75 @@ class _Check:
                      f"{beyond[-1]}" + _more(len(beyond) - 1, "layer"),
                      f"num_hidden_layers {beyond[-1] + 1 - (limit - declared)} (the layers the "
                      "tensors hold), or tensors of the declared layers only")
+
+    # tensors every served decoder family (Qwen2/3-MoE, Mixtral, DeepSeek-V3) stores: the loader
+    # refuses the model without them, so the check says so first
+    DENSE_PER_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight")
+    DENSE_MODEL = ("embed_tokens.weight", "norm.weight")
+
+    def _dense_present(self, prefix: str) -> None:
+        """The embeddings, the final norm, each declared layer's two norms and, unless the
+        embeddings are tied, ``lm_head.weight``: what loading reads besides the MoE layers."""
+        f = self._model_fields()
+        declared = f.get("num_hidden_layers")
+        if not isinstance(declared, int) or declared < 1 or not self.tensors:
+            return
+        # a prefix the tensors do not use at all (a foreign naming) is reported elsewhere
+        if not any(name.startswith(prefix) for name in self.tensors):
+            return
+        wanted = [prefix + n for n in self.DENSE_MODEL]
+        tied = self.config.get("tie_word_embeddings", f.get("tie_word_embeddings", False))
+        if tied is not True:
+            wanted.append("lm_head.weight")
+        for i in range(min(declared, 100_000)):
+            wanted += [f"{prefix}layers.{i}.{n}" for n in self.DENSE_PER_LAYER]
+        missing = [n for n in wanted if n not in self.tensors]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            self.add("tensors", str(self.folder),
+                     f"{len(missing)} tensor(s) the model needs are missing: {shown} (the model "
+                     "cannot be loaded without them)",
+                     "the embeddings, the final norm, both norms of each of the "
+                     f"{declared} declared decoder layers" + ("" if tied is True else
+                                                              ", and lm_head.weight (the "
+                                                              "embeddings are not tied)"))
+
+    def _layers_alike(self, prefix: str, moe_layers: set[int]) -> None:
+        """Decoder layers of one kind (MoE, or dense) store the same module weights and biases:
+        a ``.weight`` or ``.bias`` the others of its kind hold is missing from a layer (expert
+        tensors are checked expert by expert; scales differ legitimately between layers of a
+        mixed-precision export, so only weights and biases are compared)."""
+        declared = self._model_fields().get("num_hidden_layers")
+        if not isinstance(declared, int) or declared < 2:
+            return
+        pattern = re.compile(rf"^{re.escape(prefix)}layers\.(\d+)\.(.+\.(?:weight|bias))$")
+        expert = re.compile(r"(?:^|\.)experts\.\d+\.")
+        held: dict[int, set[str]] = defaultdict(set)
+        for name in self.tensors:
+            m = pattern.match(name)
+            if (m and int(m.group(1)) < declared and not expert.search(m.group(2))
+                    and m.group(2) not in self.DENSE_PER_LAYER):  # those: _dense_present
+                held[int(m.group(1))].add(m.group(2))
+        missing: list[str] = []
+        kinds = []
+        for kind, group in (("MoE", sorted(i for i in range(declared) if i in moe_layers)),
+                            ("dense", sorted(i for i in range(min(declared, 100_000))
+                                             if i not in moe_layers))):
+            if len(group) < 2:
+                continue
+            union = set().union(*(held[i] for i in group))
+            found = [f"{prefix}layers.{i}.{s}" for i in group for s in sorted(union - held[i])]
+            if found:
+                missing += found
+                kinds.append(f"the other {kind} decoder layers")
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            self.add("tensors", str(self.folder),
+                     f"{len(missing)} tensor(s) that {' and '.join(kinds)} store are missing: "
+                     f"{shown} (the model cannot be loaded without them)",
+                     "every decoder layer storing the module weights and biases of its kind")
 
     def _expert_bound(self, container: str, declared: int) -> int:
         """The experts of ``container`` worth checking one by one: the declared count, but never

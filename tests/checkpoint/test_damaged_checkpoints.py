@@ -297,6 +297,15 @@ DAMAGES = [
            delete_tensors("model.layers.1.mlp.gate.e_score_correction_bias"), "tensors",
            ["e_score_correction_bias", "missing"]),
     # tensors
+    Damage("final_norm_missing", "qwen3_nvfp4", delete_tensors("model.norm.weight"), "tensors",
+           ["'model.norm.weight'", "missing", "cannot be loaded", "the final norm"]),
+    Damage("layer_norm_missing", "deepseek_fp8",
+           delete_tensors("model.layers.1.post_attention_layernorm.weight"), "tensors",
+           ["'model.layers.1.post_attention_layernorm.weight'", "missing", "both norms"]),
+    Damage("attention_weight_missing_in_one_layer", "qwen3_mixed",
+           delete_tensors("model.layers.2.self_attn.k_proj.weight"), "tensors",
+           ["'model.layers.2.self_attn.k_proj.weight'", "the other MoE decoder layers store",
+            "cannot be loaded"]),
     Damage("expert_scale_missing", "qwen3_nvfp4", delete_tensors(f"{EXPERT}.down_proj.weight_scale_2"),
            "tensors", [f"{EXPERT}.down_proj.weight_scale_2", "is missing"]),
     Damage("expert_missing", "qwen3_fp8", delete_tensors(prefix="model.layers.0.mlp.experts.5."),
@@ -577,6 +586,9 @@ def test_serve_names_config_json_when_transformers_refuses_a_field(qwen3_fp8, tm
 def _expert_and_scale_tensors(folder: Path) -> tuple[list[str], list[str]]:
     names = list(load_file(folder / WEIGHTS))
     experts = [n for n in names if ".experts." in n]
+    # and the weights and biases of the decoder layers' other modules (attention, norms, router)
+    experts += [n for n in names if ".layers." in n and ".experts." not in n
+                and n.endswith((".weight", ".bias"))]
     scales = [n for n in names if n.rsplit(".", 1)[-1].endswith(("scale", "scale_2"))]
     return experts, scales
 
