@@ -9,6 +9,8 @@
 #                                                # (carry .whl: the humming wheel)
 #   bash benchmarks/run_pending_gpu.sh conformance  # triton and humming, CUDA-graph replays too,
 #                                                # then the tune; ~6 min (carry .whl)
+#   bash benchmarks/run_pending_gpu.sh w4a16     # issue 20: the W4A16 path through the backend,
+#                                                # forced; ~8 min
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -38,10 +40,10 @@ serve)
     wheels .gpu_carry/serve_whl
     step checkpoint 90 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    step bench_serve 330 python benchmarks/bench_serve.py --model /tmp/q30 --device cuda \
+    step bench_serve 300 python benchmarks/bench_serve.py --model /tmp/q30 --device cuda \
         --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 --repeats 1 --profile-clients 16 \
         --no-progress --out "$OUT/serve"
-    step profile_serve 60 python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 \
+    step profile_serve 120 python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 \
         --graphs on --out "$OUT/prof"
     step gpu_tests 90 python -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/serve/test_engine_cuda_graphs.py
@@ -87,8 +89,19 @@ conformance)
     step plan_ranges 60 moe-runtime plan /tmp/q30 --tuning-cache "$OUT/tuning.json" \
         --max-tokens-per-rank 4096 --token-ranges
     ;;
+w4a16)
+    # the W4A16 tile path through the backend (opt-in wiring of 136cb7f, interpreter-tested
+    # only): every declared combination forced onto it, CUDA-graph replays included; then the
+    # NVFP4 rows of 1-128 tokens with it forced (rows against the 2026-12-04 run A of RESULTS.md)
+    step w4a16_tests 150 python -m pytest -q -p no:cacheprovider -rs \
+        plugins/triton/tests/test_w4a16_wiring.py plugins/triton/tests/test_w4a16.py
+    step conformance_w4a16 150 env MOE_TRITON_W4A16=1 moe-runtime conformance triton
+    step bench_w4a16_backend 200 env MOE_TRITON_W4A16=1 python benchmarks/bench_triton_moe.py \
+        --formats nvfp4_w4a16 --tokens 1 16 128 --peers --time-budget 170 --warm-workers 15 \
+        --out "$OUT/w4a16_backend"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16" >&2
     exit 2
     ;;
 esac
