@@ -152,3 +152,29 @@ def test_routing_makes_no_scalar_copies_that_a_cuda_graph_capture_refuses():
     with ScalarCopies() as mode:
         route(ids, 8, 16)
     assert mode.seen == []
+
+
+@pytest.mark.parametrize("n, k, experts, block_m, seed", [
+    (1, 8, 128, 16, 10), (7, 3, 8, 16, 11), (64, 8, 16, 32, 12), (300, 2, 32, 64, 13),
+])
+def test_the_triton_routing_gives_the_torch_routings_blocks(n, k, experts, block_m, seed):
+    """On a CUDA device the backend routes with the triton plugin's kernels where installed: the
+    same blocks, experts and padding as :func:`route`, pairs in any order within an expert (its
+    kernels count with atomics). Checked here through Triton's interpreter."""
+    from moe_runtime_humming.backend import route, route_with, triton_router
+
+    ops = triton_router()
+    if ops is None:
+        pytest.skip("the triton plugin is not installed")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, experts + 1, (n, k), generator=g)  # -1 and `experts`: not here
+    want_ids, want_blocks, want_used = route(ids, experts, block_m)
+    got_ids, got_blocks, got_used = route_with(ops, ids, experts, block_m)
+    used = int(want_used)
+    assert int(got_used) == used
+    assert torch.equal(got_blocks[:used // block_m], want_blocks[:used // block_m])
+    assert (got_blocks[used // block_m:] == -1).all()
+    for b in range(used // block_m):  # the same pairs in each block, padding rows included
+        rows = slice(b * block_m, (b + 1) * block_m)
+        assert sorted(got_ids[rows].tolist()) == sorted(want_ids[rows].tolist()), b
+    assert (got_ids[used:] == n * k).all()
