@@ -9,6 +9,9 @@ previous response ending. A request whose headers are late is answered 408 (Open
 shape) and the connection closed; an idle connection that received nothing is closed silently;
 one whose body is late is cut off (the handler sees the client disconnect, as for a client that
 left). A response being sent is never cut: the deadline stops once the request has arrived.
+A request that is not HTTP/1.1 (a bad request line, a header without a colon, a head over h11's
+limit) is answered 400 in OpenAI's error shape naming what h11 refused, where uvicorn answers a
+plain-text "Invalid HTTP request received." that no OpenAI client can parse.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ def _timeout_response(seconds: float) -> bytes:
     return head + body
 
 
+def _malformed_body(detail: str) -> bytes:
+    from moe_runtime.serve.protocol import clip
+
+    return json.dumps({"error": {
+        "message": f"malformed HTTP request: {clip(detail or 'unreadable', 200)}; send HTTP/1.1: "
+                   "a request line 'METHOD /path HTTP/1.1', 'Name: value' header lines, a blank "
+                   "line, then a body of the Content-Length declared",
+        "type": "invalid_request_error", "param": None, "code": "malformed_http_request"}}).encode()
+
+
 def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
     """An :class:`H11Protocol` subclass (uvicorn's ``http=``) giving each request ``seconds``."""
 
@@ -40,8 +53,35 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             self._read_deadline = None
+            self._protocol_error = ""
             super().connection_made(transport)
             self._arm_read_deadline()
+            # keep what h11 refused (uvicorn's handler drops it) for the 400's message
+            events = self.conn.next_event
+
+            def next_event():
+                try:
+                    return events()
+                except h11.RemoteProtocolError as exc:
+                    self._protocol_error = str(exc)
+                    raise
+
+            self.conn.next_event = next_event
+
+        def send_400_response(self, msg: str) -> None:  # type: ignore[override]
+            """uvicorn's 400 for what h11 cannot parse, as a JSON error naming the problem."""
+            body = _malformed_body(self._protocol_error)
+            self._protocol_error = ""
+            headers = [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                                 reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:  # a response had begun: nothing more can be said
+                pass
+            self.transport.close()
 
         def _arm_read_deadline(self) -> None:
             self._cancel_read_deadline()

@@ -151,3 +151,24 @@ def test_a_request_read_timeout_that_is_no_positive_number_is_exit_status_2(valu
                         value], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2, r.stderr
     assert "--request-read-timeout must be a positive number of seconds" in r.stderr
+
+
+@pytest.mark.parametrize("raw, named", [
+    (b"GARBAGE\r\n\r\n", "malformed HTTP request"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", "malformed HTTP request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+     "malformed HTTP request"),
+])
+def test_a_request_that_is_not_http_gets_a_400_in_openai_shape_and_the_server_serves_on(
+        http, target, raw, named):
+    with connect(target) as s:
+        s.sendall(raw)
+        reply = read_until_closed(s)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert named in error["message"] and "HTTP/1.1" in error["message"], error
+    assert "unreadable" not in error["message"], error  # h11's own words name the problem
+    assert error["code"] == "malformed_http_request" and error["type"] == "invalid_request_error"
+    served(http, target)
