@@ -42,6 +42,10 @@ def clip(value: Any, limit: int = ECHO_LIMIT, *, quoted: bool = False) -> str:
     ``abc... (100000 characters)``. ``quoted``: a string in ``repr``'s quotes; a value that is not
     a string is shown by its ``repr``. A client sending 100 KB gets a message of ~200 characters.
     """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+        # repr of an int over 4300 digits raises, and a long one says nothing: its size instead
+        digits = int(value.bit_length() * 0.30103) + 1
+        return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
     if not isinstance(value, str):
         value, quoted = repr(value), False
     head = repr(value[:limit]) if quoted else value[:limit]

@@ -155,10 +155,18 @@ def test_a_huge_model_path_is_a_small_404(http):
     ("/v1/completions", {"max_tokens": 10 ** 4000}),
     ("/v1/completions", {"prompt": [1, 10 ** 4000]}),
     ("/v1/completions", {"stop_token_ids": [10 ** 4000]}),
+    # 4300 digits: the most Python's int() reads, and more than repr() writes (it raised: a 500)
+    ("/v1/completions", {"max_tokens": int("9" * 4300)}),
+    ("/v1/completions", {"min_tokens": int("9" * 4300)}),
+    ("/v1/completions", {"max_tokens": -int("9" * 4300)}),
+    ("/v1/completions", {"seed": int("9" * 4300)}),
+    ("/v1/chat/completions", {"max_completion_tokens": int("9" * 4300)}),
     ("/v1/chat/completions", {"messages": [{"role": "user",
                                             "content": [{"type": "t" * 100_000}]}]}),
 ], ids=["response_format-type", "suffix", "stream_options-key", "unknown-field", "wrong-type",
-        "best_of", "max_tokens", "token-id", "stop_token_id", "content-part-type"])
+        "best_of", "max_tokens", "token-id", "stop_token_id", "max_tokens-4300-digits",
+        "min_tokens-4300-digits", "negative-4300-digits", "seed-4300-digits",
+        "max_completion_tokens-4300-digits", "content-part-type"])
 def test_no_error_echoes_a_huge_value_whole(http, server, route, field):
     body = {"model": server.model, "max_tokens": 2}
     body.update({"prompt": "hi"} if route == "/v1/completions" else
