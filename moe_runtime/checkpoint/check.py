@@ -711,8 +711,9 @@ class _Check:
             return layers
         self._named_modules_exist(spec)
         self._layers_declared()
-        self._dense_present(prefix)
-        if arch.served:  # families of one decoder-layer kind per MoE-ness (not hybrid attention)
+        if tensors_ok:  # names of an unreadable shard are reported as such, not as missing
+            self._dense_present(prefix)
+        if tensors_ok and arch.served:  # families of one decoder-layer kind per MoE-ness (not hybrid attention)
             self._layers_alike(prefix, {s.index for s in structures})
         for layer in layers:
             self._experts(layer)

@@ -377,7 +377,15 @@ def _load_dense(model, keys, tensors, config, dtype, model_dir, bar) -> dict[str
             raise WeightError(f"tensor {src!r} has shape {list(value.shape)}; the model "
                               f"expects {list(target.shape)} for {key!r}")
         target.data.copy_(value.to(target.dtype))
-        require_finite(target.data, f"tensor {src!r}", f" of {model_dir}")  # on the device
+        # scanned on the device; the stored tensor, read again, says whose fault a NaN is
+        if nonfinite(target.data)[0] and not nonfinite(tensors.get(src))[0]:
+            big = torch.finfo(target.dtype).max
+            raise WeightError(
+                f"tensor {src!r} of {model_dir} holds values beyond "
+                f"{str(target.dtype).replace('torch.', '')}'s range (largest {big:g}): they "
+                "become infinite when loaded in that dtype; load it in bfloat16 or float32 "
+                "(--dtype)")
+        require_finite(target.data, f"tensor {src!r}", f" of {model_dir}")
         bar.update(1)
     return linears
 

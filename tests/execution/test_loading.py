@@ -179,6 +179,26 @@ def test_a_weight_that_is_not_finite_stops_loading_and_is_named(tiny_checkpoint,
     load_model(path, dtype="float32")  # the untouched export loads
 
 
+def test_a_weight_beyond_the_load_dtypes_range_is_named_as_such(tiny_checkpoint, tmp_path):
+    """A finite bf16 weight of 1e5 overflows float16: the message says so and names the dtypes
+    that hold it, rather than calling the checkpoint broken."""
+    from moe_runtime.integration.transformers import load_model
+
+    path = tiny_checkpoint("qwen3_moe", "bf16")
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def enlarge(t):
+        w = t[name].clone()
+        w.view(-1)[3] = 1e5
+        t[name] = w
+
+    bad = _rewrite(path, tmp_path / "big", enlarge)
+    with pytest.raises(WeightError, match=rf"'{name}' .* beyond float16's range .* bfloat16 or "
+                                          r"float32"):
+        load_model(bad, dtype="float16")
+    load_model(bad, dtype="float32")  # it is finite: a wider dtype loads it
+
+
 def test_nonfinite_counts_each_format_and_finds_the_first(tmp_path):
     from moe_runtime.checkpoint.tensors import nonfinite
 
@@ -195,3 +215,9 @@ def test_nonfinite_counts_each_format_and_finds_the_first(tmp_path):
     e5[3] = float("inf")
     assert nonfinite(e5) == (1, 3)
     assert nonfinite(torch.full((8,), 255, dtype=torch.uint8)) == (0, -1)  # packed NVFP4
+    if hasattr(torch, "float8_e8m0fnu"):  # MX block scales: 0xFF is its NaN
+        e8 = torch.full((16,), 127, dtype=torch.uint8)
+        e8[5] = 255
+        assert nonfinite(e8.view(torch.float8_e8m0fnu)) == (1, 5)
+    # a finite tensor whose float32 sum overflows is finite, not refused
+    assert nonfinite(torch.full((4,), 3e38)) == (0, -1)
