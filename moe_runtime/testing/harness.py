@@ -303,15 +303,21 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
             raise failed(exc) from exc
         _unchanged(case, "forward", "Dispatched", inputs_before, _tensors_of(d), replay)
         _check_output(case, d, out, dtype, replay)
+        # combined before any replay: a backend may hand back a buffer a replay rewrites
+        eager = comm.combine(out, handle).float().cpu()
         # declared capturable: what serve does with decode steps on a CUDA device
         if bspec.cuda_graphs and out.is_cuda and d.hidden.shape[0]:
-            replayed.append(comm.combine(_graph_replay(case, backend, d, out, replay), handle)
-                            .float().cpu())
-        return comm.combine(out, handle).float().cpu()
+            from_graph, differs = _graph_replay(case, backend, d, out, replay,
+                                                lambda o: comm.combine(o, handle).float().cpu())
+            replayed.append(from_graph)
+            if differs:
+                graph_problems.append(differs)
+        return eager
 
     # the backend gets the weights under the case's own format name; the reference its twin's
     labelled = attrs.evolve(weights, format=case.format)
     replayed: list[torch.Tensor] = []  # the CUDA-graph replay's output, on CUDA devices
+    graph_problems: list[str] = []  # a replay on new inputs that differs from the eager call
     got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden, checked=True)
     ref_runs_as = _reference_format(registry, case.runs_as)
     ref = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float())
@@ -336,18 +342,24 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
             result["failures"].append("CUDA-graph replay: output has NaN or inf (poisoned before "
                                       "the replay: the captured forward does not write it all)")
         result["ratio"] = max(result["ratio"], again["ratio"])
+    result["failures"] += graph_problems
     result["device"] = device
     result["graph_replayed"] = bool(replayed)
     return result
 
 
-def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str) -> torch.Tensor:
+def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str,
+                  combine) -> tuple[torch.Tensor, str]:
     """Capture ``backend.forward(d)`` in a CUDA graph (after warm-up calls on a side stream, as
-    serve's decode graphs are made), poison its output with NaN, replay it; the output.
+    serve's decode graphs are made), poison its output with NaN and replay it: ``combine`` of
+    that output, judged by the caller like the eager call's. Then, as serve does, write other
+    inputs into the captured ones in place (the tokens' rows rolled by one, each token's routing
+    weights rolled over its slots; rows within each expert's block for the masked layout),
+    replay again and compare with an eager call on those inputs: ``""`` when they agree.
 
     Run for backends that declare ``cuda_graphs=True``: ``moe-runtime serve`` then replays decode
-    steps as CUDA graphs on a CUDA device, so a forward that cannot be captured would fail every
-    request there."""
+    steps as CUDA graphs on a CUDA device, so a forward that cannot be captured, or that keeps
+    values of the captured inputs, would fail every request there."""
     from moe_runtime.tuning.measure import capture_graphs
 
     try:
@@ -367,11 +379,54 @@ def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str
         raise AssertionError(f"{case.id}: {case.backend}'s captured forward returned "
                              f"{getattr(out, 'shape', type(out).__name__)}, the eager one "
                              f"{tuple(eager.shape)} {eager.dtype}. Replay: {replay}")
-    if out.is_floating_point():
-        out.fill_(float("nan"))
-    again()
-    torch.cuda.synchronize(out.device)
-    return out.clone()
+
+    def replayed() -> torch.Tensor:
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        again()
+        torch.cuda.synchronize(out.device)
+        return out.clone()
+
+    first = combine(replayed())
+    _other_inputs(d)
+    second = replayed()
+    want = backend.forward(d)  # eager, on the inputs now in the captured tensors
+    got, want = _valid_rows(d, second), _valid_rows(d, want)
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if not diff <= 0.01 * scale + 1e-3:  # NaN fails too
+        return first, (f"CUDA-graph replay on new inputs written into the captured ones differs "
+                       f"from the eager call on them (max |diff| {diff:.3g}, max |eager| "
+                       f"{scale:.3g}): the captured forward keeps something of the inputs it was "
+                       "captured with (a size, an index, a host-side value)")
+    return first, ""
+
+
+def _other_inputs(d: Dispatched) -> None:
+    """Other valid inputs written in place into ``d``'s tensors (what a replay of a captured
+    decode step sees): token-major rows rolled by one (hidden, routing, per-token scales) and the
+    routing weights rolled over each token's slots; masked: each expert's rows rolled by one."""
+    if d.layout == F.MASKED:
+        d.hidden.copy_(d.hidden.roll(1, dims=1))
+        if isinstance(d.hidden_scale, torch.Tensor) and d.hidden_scale.dim() >= 2:
+            d.hidden_scale.copy_(d.hidden_scale.roll(1, dims=1))
+        return
+    n = d.hidden.shape[0]
+    for t in (d.hidden, d.hidden_scale, d.topk_ids, d.topk_weights, *d.extra.values()):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == n and n > 1:
+            t.copy_(t.roll(1, dims=0))
+    if d.topk_weights.dim() == 2 and d.topk_weights.shape[1] > 1:
+        d.topk_weights.copy_(d.topk_weights.roll(1, dims=1))
+
+
+def _valid_rows(d: Dispatched, out: torch.Tensor) -> torch.Tensor:
+    """The rows of ``forward``'s output that count: all (token-major), or each expert's first
+    ``masked_m`` rows (masked), as float32 on the CPU."""
+    out = out.float().cpu()
+    if d.layout != F.MASKED or d.masked_m is None:
+        return out
+    m = d.masked_m.cpu().tolist()
+    return torch.cat([out[e, :int(m[e])] for e in range(out.shape[0])]) if m else out
 
 
 def _tensors_of(record) -> dict[str, torch.Tensor]:
