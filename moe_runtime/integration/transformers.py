@@ -253,6 +253,7 @@ def load_model(
     config = _hf_config(model_dir, dtype)
     model, experts_modules = _empty_model(config, ckpt, dtype, device, own_experts=place is not None)
     steps = _dense_keys(model, experts_modules)
+    _require_dense_tensors(steps, tensors, config, model_dir)  # all at once, before any is read
     layers = list(ckpt.moe_layers)
     bar = _progress(progress, total=len(steps) + len(layers), desc="loading weights")
     with torch.no_grad():
@@ -351,6 +352,24 @@ def _dense_keys(model, experts_modules) -> list[str]:
     """The state-dict keys loaded from the checkpoint one tensor each (all but the experts')."""
     skip = tuple(hf + "." for hf, _ in experts_modules.values())
     return [k for k in model.state_dict(keep_vars=True) if not k.startswith(skip)]
+
+
+def _require_dense_tensors(keys, tensors, config, model_dir) -> None:
+    """Every state-dict key the model loads from the checkpoint has a tensor there (a tied
+    ``lm_head`` excepted): one error listing what is missing, before loading reads anything."""
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in keys if _ckpt_name_for(k, tensors) is None
+               and not (k == "lm_head.weight" and tied)]
+    if not missing:
+        return
+    first = missing[0]
+    looked = ", ".join(repr(c) for c in dict.fromkeys(_name_candidates(first)))
+    more = ", ".join(repr(k) for k in missing[1:4]) + (
+        f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    raise WeightError(
+        f"{len(missing)} tensor(s) of the model are missing from {model_dir}: {first!r} (looked "
+        f"for {looked})" + (f", {more}" if more else "") + "; the checkpoint must hold every "
+        f"weight of the {type(config).__name__.removesuffix('Config')} model it declares")
 
 
 def _load_dense(model, keys, tensors, config, dtype, model_dir, bar) -> dict[str, str]:

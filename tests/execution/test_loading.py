@@ -221,3 +221,27 @@ def test_nonfinite_counts_each_format_and_finds_the_first(tmp_path):
         assert nonfinite(e8.view(torch.float8_e8m0fnu)) == (1, 5)
     # a finite tensor whose float32 sum overflows is finite, not refused
     assert nonfinite(torch.full((4,), 3e38)) == (0, -1)
+
+
+def test_every_missing_dense_tensor_is_listed_before_anything_is_read(tiny_checkpoint, tmp_path,
+                                                                      monkeypatch):
+    """A tensor gone from every layer (which no layer-to-layer comparison sees) stops loading at
+    once, with the count and the names, not at the first one after reading the others."""
+    from moe_runtime.integration.transformers import load_model
+
+    path = tiny_checkpoint("qwen3_moe", "bf16")
+    gone = [k for k in load_file(str(path / "model.safetensors")) if k.endswith("k_proj.weight")]
+    assert len(gone) >= 2
+    bad = _rewrite(path, tmp_path / "no_k", lambda t: [t.pop(k) for k in gone])
+    reads = []
+    real_get = CheckpointTensors.get
+
+    def counting_get(self, name, **kw):
+        reads.append(name)
+        return real_get(self, name, **kw)
+
+    monkeypatch.setattr(CheckpointTensors, "get", counting_get)
+    with pytest.raises(WeightError, match=rf"{len(gone)} tensor\(s\) of the model are missing "
+                                          rf".*'{gone[0]}' \(looked for"):
+        load_model(bad, dtype="float32")
+    assert not [n for n in reads if "self_attn" in n or "norm" in n], reads[:5]
