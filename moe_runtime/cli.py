@@ -60,6 +60,7 @@ def cmd_plugins(args) -> int:
         data["experts_backends"].append({
             "name": name, "plugin": r.plugin, "priority": r.spec.priority,
             "factory": r.spec.factory, "description": r.spec.description,
+            "cuda_graphs": r.spec.cuda_graphs,
             "supports": [describe_support(s) for s in r.spec.supports],
         })
     for name in sorted(reg.comms):
@@ -86,7 +87,9 @@ def cmd_plugins(args) -> int:
         print(line)
     print("experts backends:")
     for b in data["experts_backends"]:
-        print(f"  {b['name']} [plugin {b['plugin']}, priority {b['priority']}] {b['description']}")
+        graphs = ", CUDA graphs" if b["cuda_graphs"] else ""
+        print(f"  {b['name']} [plugin {b['plugin']}, priority {b['priority']}{graphs}] "
+              f"{b['description']}")
         for s in b["supports"]:
             extra = f" runs as {s['runs_as']}" if s["runs_as"] else ""
             print(f"    formats {','.join(s['formats'])}{extra}; activations "

@@ -200,6 +200,12 @@ def test_cli_plugins_lists_installed_and_broken(plugin_site):
     backends = {b["name"]: b for b in data["experts_backends"]}
     assert backends["sm100_nvfp4"]["plugin"] == "sm100_test"
     assert backends["sm100_nvfp4"]["supports"][0]["cuda_capabilities"] == "10.0"
+    # what each promises about CUDA graphs (the test plugin does not; triton does)
+    assert backends["sm100_nvfp4"]["cuda_graphs"] is False
+    assert backends["triton"]["cuda_graphs"] is True and backends["reference"]["cuda_graphs"] is False
+    text = run_cli("plugins", site=plugin_site).stdout
+    assert "triton [plugin triton, priority 30, CUDA graphs]" in text
+    assert "reference [plugin builtin, priority 0] " in text
 
 
 def test_cli_plugins_blocks_with_dash_p(plugin_site):
