@@ -23,6 +23,10 @@ MIXTRAL_NAMES = ("w1", "w3", "w2")  # gate, up, down
 _ACTIVATIONS = {"silu": formats.SILU, "swish": formats.SILU, "gelu": formats.GELU}
 
 
+# decoder layers a config may declare: the largest MoE models have under 100; a config declaring
+# 10**9 is broken, and enumerating its layers would hang the check
+MAX_LAYERS = 10_000
+
 @attrs.frozen
 class MoEStructure:
     """A MoE layer's shape and router, before its name and format are known."""
@@ -53,15 +57,20 @@ class _Fields:
         value = self.data.get(key)
         return default if value is None else value
 
-    def int(self, *keys: str, default: int | None = None, minimum: int = 0) -> int:
+    def int(self, *keys: str, default: int | None = None, minimum: int = 0,
+            maximum: int | None = None) -> int:
         for key in keys:
             value = self.data.get(key)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                    or (maximum is not None and value > maximum)):
+                from moe_runtime.checkpoint.tensors import _short
+
+                bound = (f"an integer from {minimum} to {maximum}" if maximum is not None
+                         else f"an integer >= {minimum}")
                 raise CheckpointError(
-                    f"{self.file}: {self._key(key)} is {value!r}; expected an integer >= {minimum}"
-                )
+                    f"{self.file}: {self._key(key)} is {_short(value)}; expected {bound}")
             return value
         if default is None:
             names = " or ".join(repr(self._key(k)) for k in keys)
@@ -160,7 +169,7 @@ def _sparse_step_layers(f: _Fields, num_experts: int) -> list[int]:
     """Qwen2/3-MoE, Qwen3-Next: every ``decoder_sparse_step``-th layer not in mlp_only_layers."""
     step = f.int("decoder_sparse_step", default=1, minimum=1)
     dense = set(f.int_list("mlp_only_layers"))
-    n = f.int("num_hidden_layers", minimum=1)
+    n = f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     return [i for i in range(n) if i not in dense and num_experts > 0 and (i + 1) % step == 0]
 
 
@@ -172,7 +181,7 @@ def _qwen_moe(*, shared: bool, norm_topk_default: bool | None) -> Callable[[_Fie
         renormalize = (True if norm_topk_default is None
                        else f.bool("norm_topk_prob", norm_topk_default))
         indices = (_sparse_step_layers(f, num_experts) if norm_topk_default is not None
-                   else list(range(f.int("num_hidden_layers", minimum=1))))
+                   else list(range(f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS))))
         common = dict(
             num_experts=num_experts,
             top_k=f.int("num_experts_per_tok", minimum=1),
@@ -197,7 +206,7 @@ def _mixtral(f: _Fields) -> list[MoEStructure]:
         activation=f.activation(),
         router=RouterSpec("softmax", renormalize=True),  # softmax over the top-k logits
     )
-    return [MoEStructure(index=i, **common) for i in range(f.int("num_hidden_layers", minimum=1))]
+    return [MoEStructure(index=i, **common) for i in range(f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS))]
 
 
 def _deepseek_v3(f: _Fields) -> list[MoEStructure]:
@@ -226,7 +235,7 @@ def _deepseek_v3(f: _Fields) -> list[MoEStructure]:
         router=router,
         shared_expert_intermediate_size=moe_intermediate * f.int("n_shared_experts", default=1),
     )
-    n = f.int("num_hidden_layers", minimum=1)
+    n = f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
     return [MoEStructure(index=i, **common) for i in range(n)
             if i >= first_dense and i % freq == 0]
 

@@ -259,6 +259,8 @@ DAMAGES = [
            edit_json("config.json", lambda d: d["quantization_config"].update(ignore=["lm_head"])),
            "agreement", ["exclude_modules", "model.embed_tokens"]),
     # routing and counts
+    Damage("a_billion_layers", "qwen3_fp8", set_config(num_hidden_layers=10 ** 9), "config",
+           ["num_hidden_layers is 1000000000", "an integer from 1 to 10000"]),
     Damage("top_k_above_the_experts", "qwen3_nvfp4", set_config(num_experts_per_tok=9),
            "routing", ["num_experts_per_tok is 9", "8"]),
     Damage("n_group_does_not_divide_the_experts", "deepseek_fp8", set_config(n_group=3),
