@@ -307,8 +307,14 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
         eager = comm.combine(out, handle).float().cpu()
         # declared capturable: what serve does with decode steps on a CUDA device
         if bspec.cuda_graphs and out.is_cuda and d.hidden.shape[0]:
+            def fresh():  # a new instance: whatever the first keeps of its inputs, it lacks
+                other = cls(setup=setup)
+                other.prepare(w)
+                return other
+
             from_graph, differs = _graph_replay(case, backend, d, out, replay,
-                                                lambda o: comm.combine(o, handle).float().cpu())
+                                                lambda o: comm.combine(o, handle).float().cpu(),
+                                                fresh, w.num_experts)
             replayed.append(from_graph)
             if differs:
                 graph_problems.append(differs)
@@ -349,13 +355,14 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
 
 
 def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str,
-                  combine) -> tuple[torch.Tensor, str]:
+                  combine, fresh, num_experts: int) -> tuple[torch.Tensor, str]:
     """Capture ``backend.forward(d)`` in a CUDA graph (after warm-up calls on a side stream, as
     serve's decode graphs are made), poison its output with NaN and replay it: ``combine`` of
     that output, judged by the caller like the eager call's. Then, as serve does, write other
-    inputs into the captured ones in place (the tokens' rows rolled by one, each token's routing
-    weights rolled over its slots; rows within each expert's block for the masked layout),
-    replay again and compare with an eager call on those inputs: ``""`` when they agree.
+    inputs into the captured ones in place (:func:`_other_inputs`: other experts per token, so
+    other expert sizes, rolled rows and weights; fewer valid rows per expert for the masked
+    layout), replay again and compare with an eager call on those inputs by a ``fresh()``
+    instance of the backend: ``""`` when they agree.
 
     Run for backends that declare ``cuda_graphs=True``: ``moe-runtime serve`` then replays decode
     steps as CUDA graphs on a CUDA device, so a forward that cannot be captured, or that keeps
@@ -384,13 +391,14 @@ def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str
         if out.is_floating_point():
             out.fill_(float("nan"))
         again()
-        torch.cuda.synchronize(out.device)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
         return out.clone()
 
     first = combine(replayed())
-    _other_inputs(d)
+    _other_inputs(d, num_experts)
     second = replayed()
-    want = backend.forward(d)  # eager, on the inputs now in the captured tensors
+    want = fresh().forward(d)  # eager, on the inputs now in the captured tensors
     got, want = _valid_rows(d, second), _valid_rows(d, want)
     diff = (got - want).abs().max().item() if want.numel() else 0.0
     scale = want.abs().max().item() if want.numel() else 0.0
@@ -402,21 +410,34 @@ def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str
     return first, ""
 
 
-def _other_inputs(d: Dispatched) -> None:
+def _roll(t: torch.Tensor, shift: int, dim: int) -> None:
+    """``t`` rolled in place; 1-byte dtypes through a uint8 view (CUDA has no float8 roll)."""
+    v = t.view(torch.uint8) if t.element_size() == 1 else t
+    v.copy_(v.roll(shift, dims=dim))
+
+
+def _other_inputs(d: Dispatched, num_experts: int) -> None:
     """Other valid inputs written in place into ``d``'s tensors (what a replay of a captured
-    decode step sees): token-major rows rolled by one (hidden, routing, per-token scales) and the
-    routing weights rolled over each token's slots; masked: each expert's rows rolled by one."""
+    decode step sees). Token-major: each token's experts shifted by one plus its row (its slots
+    stay distinct, ``-1`` stays), so the experts' sizes change; rows rolled by one (hidden,
+    per-token scales) and each token's routing weights rolled over its slots. Masked: every
+    expert holding several rows holds one fewer, and its rows rolled by one."""
     if d.layout == F.MASKED:
-        d.hidden.copy_(d.hidden.roll(1, dims=1))
+        _roll(d.hidden, 1, 1)
         if isinstance(d.hidden_scale, torch.Tensor) and d.hidden_scale.dim() >= 2:
-            d.hidden_scale.copy_(d.hidden_scale.roll(1, dims=1))
+            _roll(d.hidden_scale, 1, 1)
+        if d.masked_m is not None:
+            d.masked_m.copy_(torch.where(d.masked_m > 1, d.masked_m - 1, d.masked_m))
         return
     n = d.hidden.shape[0]
-    for t in (d.hidden, d.hidden_scale, d.topk_ids, d.topk_weights, *d.extra.values()):
+    for t in (d.hidden, d.hidden_scale, *d.extra.values()):
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == n and n > 1:
-            t.copy_(t.roll(1, dims=0))
+            _roll(t, 1, 0)
+    ids = d.topk_ids
+    rows = torch.arange(n, device=ids.device, dtype=ids.dtype).view(-1, *([1] * (ids.dim() - 1)))
+    ids.copy_(torch.where(ids >= 0, (ids + 1 + rows) % max(1, num_experts), ids))
     if d.topk_weights.dim() == 2 and d.topk_weights.shape[1] > 1:
-        d.topk_weights.copy_(d.topk_weights.roll(1, dims=1))
+        _roll(d.topk_weights, 1, 1)
 
 
 def _valid_rows(d: Dispatched, out: torch.Tensor) -> torch.Tensor:
