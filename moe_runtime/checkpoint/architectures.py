@@ -206,7 +206,8 @@ def _mixtral(f: _Fields) -> list[MoEStructure]:
         activation=f.activation(),
         router=RouterSpec("softmax", renormalize=True),  # softmax over the top-k logits
     )
-    return [MoEStructure(index=i, **common) for i in range(f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS))]
+    n = f.int("num_hidden_layers", minimum=1, maximum=MAX_LAYERS)
+    return [MoEStructure(index=i, **common) for i in range(n)]
 
 
 def _deepseek_v3(f: _Fields) -> list[MoEStructure]:

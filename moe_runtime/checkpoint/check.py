@@ -713,7 +713,8 @@ class _Check:
         self._layers_declared()
         if tensors_ok:  # names of an unreadable shard are reported as such, not as missing
             self._dense_present(prefix)
-        if tensors_ok and arch.served:  # families of one decoder-layer kind per MoE-ness (not hybrid attention)
+        # served families have one decoder-layer kind per MoE-ness (no hybrid attention)
+        if tensors_ok and arch.served:
             self._layers_alike(prefix, {s.index for s in structures})
         for layer in layers:
             self._experts(layer)
