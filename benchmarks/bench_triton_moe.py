@@ -749,6 +749,10 @@ def main(argv=None):
     ap.add_argument("--grouped-min-tokens", type=int, default=1024,
                     help="rows with at least this many tokens also time our torch grouped GEMM "
                          "path (triton_grouped)")
+    ap.add_argument("--w4a16-max-tokens", type=int, default=128,
+                    help="--tune: NVFP4 rows of at most this many tokens also try the W4A16 tile "
+                         "path (moe_runtime_triton.w4a16: W4A16_TUNE_VARIANTS); a variant that "
+                         "wins is written to configs.json as the entry's \"w4a16\"")
     ap.add_argument("--tma-min-tokens", type=int, default=1024,
                     help="with --tune, rows with at least this many tokens also sweep the TMA / "
                          "persistent path (moe_runtime_triton.tma); a config that wins is written "
@@ -1042,6 +1046,31 @@ def main(argv=None):
                                                if tb < float("inf") else
                                                {"error": "every TMA config failed or was wrong"})
                             best = min(trials, key=lambda z: z[0])[1]
+                        w4_why = w4a16_skip_reason(ops, pw, N, args.w4a16_max_tokens)
+                        if w4_why:
+                            row["tune_w4a16"] = {"skipped": w4_why}
+                        else:
+                            # the W4A16 tile path's variants that bench_w4a16 measured best, each
+                            # checked against the reference before it is timed; an entry keeps
+                            # its sorted (or decode) config as the fallback
+                            fallback = {k: v for k, v in best.items() if k != "w4a16"}
+                            t_w4 = []
+                            for name, wc in w4a16_candidates():
+                                ct = dict(fallback, w4a16=wc)
+                                why = tma_check(ops, pw, ct, x0, ids0, wts0, ref, TOL[fmt])
+                                t = float("inf") if why else time_cfg(ct)
+                                if why:
+                                    row.setdefault("tune_skipped", []).append(
+                                        f"w4a16 {name}: {why}"[:160])
+                                t_w4.append((t, ct, name))
+                            trials.extend((t, c) for t, c, _ in t_w4)
+                            tb, _, nb = min(t_w4, key=lambda z: z[0])
+                            row["tune_w4a16"] = ({"best_us": round(tb * 1e6, 2), "variant": nb,
+                                                  "configs_timed": len(t_w4)}
+                                                 if tb < float("inf") else
+                                                 {"error": "every W4A16 variant failed or was "
+                                                           "wrong"})
+                            best = min(trials, key=lambda z: z[0])[1]
                         if not grouped_skip_reason(ops, pw, device, N, args.grouped_min_tokens):
                             cg = dict(best, grouped_mm=True)
                             trials.append((time_cfg(cg), cg))
@@ -1297,6 +1326,35 @@ def tma_check(ops, pw, cfg, x, ids, wts, ref, tol):
     return None if err <= tol else f"wrong result: rel err {err:.3g} > {tol}"
 
 
+# bench_w4a16.py's variants that --tune tries on NVFP4 rows (its H200 run of 2026-12-04: the best
+# at 16-128 tokens, and the two best at 1 token)
+W4A16_TUNE_VARIANTS = ("r128k128 sync s3", "r64k256i_d64 sync s3 x16 splitk fold",
+                       "r64k256i_d64 sync s3 x16")
+
+
+def w4a16_candidates() -> list[tuple[str, dict]]:
+    """``(name, "w4a16" config of a tuned entry)`` for :data:`W4A16_TUNE_VARIANTS`, from
+    ``bench_w4a16.py``'s layouts and overrides (the config ``ops.w4a16_call_config`` reads)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_w4a16", ROOT / "benchmarks" /
+                                                  "bench_w4a16.py")
+    bw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bw)
+    out = []
+    for name in W4A16_TUNE_VARIANTS:
+        layout, overrides = bw.VARIANTS[name]
+        out.append((name, {"layout": list(bw.LAYOUTS[layout]), **overrides}))
+    return out
+
+
+def w4a16_skip_reason(ops, pw, N, max_tokens):
+    """Why ``--tune`` does not sweep the W4A16 tile path on this row (``None``: it does)."""
+    if N > max_tokens:
+        return f"{N} tokens > --w4a16-max-tokens {max_tokens}"
+    return ops.w4a16_unavailable(pw)
+
+
 def grouped_skip_reason(ops, pw, device, N, min_tokens):
     """Why a row does not time our torch grouped GEMM path (None: it does)."""
     if N < min_tokens:
@@ -1327,7 +1385,9 @@ def run_plan(shapes, tokens, formats, args):
                 tune = ""
                 if args.tune:
                     tma_sweep = N >= args.tma_min_tokens and fmt in ("bf16", "fp8_w8a8")
-                    tune = " [tune" + (" + TMA sweep]" if tma_sweep else "]")
+                    w4_sweep = N <= args.w4a16_max_tokens and fmt == "nvfp4_w4a16"
+                    tune = (" [tune" + (" + TMA sweep" if tma_sweep else "")
+                            + (" + W4A16 sweep" if w4_sweep else "") + "]")
                 lines.append(f"{sname} N={N} {fmt}: {', '.join(impls)} ({timing}){tune}")
                 n += 1
     lines.append(f"{n} rows; time budget {args.time_budget:.0f}s; out {args.out}")
