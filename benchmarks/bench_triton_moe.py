@@ -1020,56 +1020,38 @@ def main(argv=None):
                                 trials.append((time_cfg(cd), cd))
                         trials.append((time_cfg(cfg), cfg))
                         best = min(trials, key=lambda z: z[0])[1]
-                        tma_why = tma_skip_reason(ops, pw, N, args.tma_min_tokens)
-                        if tma_why:
-                            row["tune_tma"] = {"skipped": tma_why}
-                        else:
-                            # the TMA path's sweep, each config checked against the reference
-                            # before it is timed; an entry keeps its sorted config as fallback
-                            from moe_runtime_triton import tma as T
+                        # the TMA path's sweep (1024+ tokens) and the W4A16 tile path's (NVFP4,
+                        # up to 128 tokens): each config checked against the reference before it
+                        # is timed; an entry keeps its sorted (or decode) config as the fallback
+                        from moe_runtime_triton import tma as T
 
-                            fallback = {k: v for k, v in best.items() if k != "tma"}
-                            t_tma = []
-                            for tc in T.config_candidates(pw, N, K):
-                                ct = dict(fallback, tma=tc)
+                        sweeps = (
+                            ("tma", "tune_tma", tma_skip_reason(ops, pw, N, args.tma_min_tokens),
+                             lambda: [(T.describe(c), c) for c in T.config_candidates(pw, N, K)]),
+                            ("w4a16", "tune_w4a16",
+                             w4a16_skip_reason(ops, pw, N, args.w4a16_max_tokens),
+                             w4a16_candidates),
+                        )
+                        for key, field, why_not, candidates in sweeps:
+                            if why_not:
+                                row[field] = {"skipped": why_not}
+                                continue
+                            fallback = {k: v for k, v in best.items() if k != key}
+                            timed = []
+                            for name, c in candidates():
+                                ct = dict(fallback, **{key: c})
                                 why = tma_check(ops, pw, ct, x0, ids0, wts0, ref, TOL[fmt])
                                 t = float("inf") if why else time_cfg(ct)
                                 if why:
                                     row.setdefault("tune_skipped", []).append(
-                                        f"tma {T.describe(tc)}: {why}"[:160])
-                                t_tma.append((t, ct))
-                            trials.extend(t_tma)
-                            tb, cb = min(t_tma, key=lambda z: z[0])
-                            row["tune_tma"] = ({"best_us": round(tb * 1e6, 2),
-                                                "config": T.describe(cb["tma"]),
-                                                "configs_timed": len(t_tma)}
-                                               if tb < float("inf") else
-                                               {"error": "every TMA config failed or was wrong"})
-                            best = min(trials, key=lambda z: z[0])[1]
-                        w4_why = w4a16_skip_reason(ops, pw, N, args.w4a16_max_tokens)
-                        if w4_why:
-                            row["tune_w4a16"] = {"skipped": w4_why}
-                        else:
-                            # the W4A16 tile path's variants that bench_w4a16 measured best, each
-                            # checked against the reference before it is timed; an entry keeps
-                            # its sorted (or decode) config as the fallback
-                            fallback = {k: v for k, v in best.items() if k != "w4a16"}
-                            t_w4 = []
-                            for name, wc in w4a16_candidates():
-                                ct = dict(fallback, w4a16=wc)
-                                why = tma_check(ops, pw, ct, x0, ids0, wts0, ref, TOL[fmt])
-                                t = float("inf") if why else time_cfg(ct)
-                                if why:
-                                    row.setdefault("tune_skipped", []).append(
-                                        f"w4a16 {name}: {why}"[:160])
-                                t_w4.append((t, ct, name))
-                            trials.extend((t, c) for t, c, _ in t_w4)
-                            tb, _, nb = min(t_w4, key=lambda z: z[0])
-                            row["tune_w4a16"] = ({"best_us": round(tb * 1e6, 2), "variant": nb,
-                                                  "configs_timed": len(t_w4)}
-                                                 if tb < float("inf") else
-                                                 {"error": "every W4A16 variant failed or was "
-                                                           "wrong"})
+                                        f"{key} {name}: {why}"[:160])
+                                timed.append((t, ct, name))
+                            trials.extend((t, c) for t, c, _ in timed)
+                            tb, _, nb = min(timed, key=lambda z: z[0])
+                            row[field] = ({"best_us": round(tb * 1e6, 2), "config": nb,
+                                           "configs_timed": len(timed)}
+                                          if tb < float("inf") else
+                                          {"error": f"every {key} config failed or was wrong"})
                             best = min(trials, key=lambda z: z[0])[1]
                         if not grouped_skip_reason(ops, pw, device, N, args.grouped_min_tokens):
                             cg = dict(best, grouped_mm=True)

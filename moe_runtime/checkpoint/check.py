@@ -46,7 +46,12 @@ from typing import Any
 import attrs
 
 from moe_runtime import formats
-from moe_runtime.checkpoint.architectures import Architecture, MoEStructure, architecture_of
+from moe_runtime.checkpoint.architectures import (
+    MAX_LAYERS,
+    Architecture,
+    MoEStructure,
+    architecture_of,
+)
 from moe_runtime.checkpoint.memory import (
     MachineMemory,
     MemoryEstimate,
@@ -795,7 +800,7 @@ class _Check:
         tied = self.config.get("tie_word_embeddings", f.get("tie_word_embeddings", False))
         if tied is not True:
             wanted.append("lm_head.weight")
-        for i in range(min(declared, 100_000)):
+        for i in range(min(declared, MAX_LAYERS)):
             wanted += [f"{prefix}layers.{i}.{n}" for n in self.DENSE_PER_LAYER]
         missing = [n for n in wanted if n not in self.tensors]
         if missing:
@@ -827,9 +832,9 @@ class _Check:
                 held[int(m.group(1))].add(m.group(2))
         missing: list[str] = []
         kinds = []
-        for kind, group in (("MoE", sorted(i for i in range(declared) if i in moe_layers)),
-                            ("dense", sorted(i for i in range(min(declared, 100_000))
-                                             if i not in moe_layers))):
+        layers = range(min(declared, MAX_LAYERS))
+        for kind, group in (("MoE", [i for i in layers if i in moe_layers]),
+                            ("dense", [i for i in layers if i not in moe_layers])):
             if len(group) < 2:
                 continue
             union = set().union(*(held[i] for i in group))

@@ -367,7 +367,7 @@ def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str
     Run for backends that declare ``cuda_graphs=True``: ``moe-runtime serve`` then replays decode
     steps as CUDA graphs on a CUDA device, so a forward that cannot be captured, or that keeps
     values of the captured inputs, would fail every request there."""
-    from moe_runtime.tuning.measure import capture_graphs
+    from moe_runtime.tuning.measure import capture_graphs, replay_gap
 
     try:
         [(again, out)] = capture_graphs(lambda *_: backend.forward(d), [(None, None, None)],
@@ -399,13 +399,11 @@ def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str
     _other_inputs(d, num_experts)
     second = replayed()
     want = fresh().forward(d)  # eager, on the inputs now in the captured tensors
-    got, want = _valid_rows(d, second), _valid_rows(d, want)
-    diff = (got - want).abs().max().item() if want.numel() else 0.0
-    scale = want.abs().max().item() if want.numel() else 0.0
-    if not diff <= 0.01 * scale + 1e-3:  # NaN fails too
+    gap = replay_gap(_valid_rows(d, second), _valid_rows(d, want))
+    if gap:
         return first, (f"CUDA-graph replay on new inputs written into the captured ones differs "
-                       f"from the eager call on them (max |diff| {diff:.3g}, max |eager| "
-                       f"{scale:.3g}): the captured forward keeps something of the inputs it was "
+                       f"from the eager call on them (max |diff| {gap[0]:.3g}, max |eager| "
+                       f"{gap[1]:.3g}): the captured forward keeps something of the inputs it was "
                        "captured with (a size, an index, a host-side value)")
     return first, ""
 

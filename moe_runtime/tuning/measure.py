@@ -238,6 +238,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}".rstrip(": ")
 
 
+def replay_gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
+    """``(max |got - want|, max |want|)`` when a replay's output ``got`` is not the eager call's
+    ``want`` within 1% of its scale (+1e-3: split reductions may add in another order; NaN is
+    never within), else ``None``."""
+    if not want.numel():
+        return None
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    return None if diff <= 0.01 * scale + 1e-3 else (diff, scale)
+
+
 def replay_differs(executor, batches, captured) -> str:
     """Why the replays do not reproduce the eager calls' outputs (``""`` when they do, within
     1% of the output's scale: split reductions may add in another order)."""
@@ -247,10 +258,9 @@ def replay_differs(executor, batches, captured) -> str:
         got = out.float() if isinstance(out, torch.Tensor) else None
         if got is None or got.shape != want.shape:
             return "the captured call returned no tensor of the eager call's shape"
-        diff = (got - want.float()).abs().max().item()
-        scale = want.float().abs().max().item()
-        if not diff <= 0.01 * scale + 1e-3:
-            return f"a replay's output differs from the eager call's (max |diff| {diff:.3g})"
+        gap = replay_gap(got, want)
+        if gap:
+            return f"a replay's output differs from the eager call's (max |diff| {gap[0]:.3g})"
     return ""
 
 

@@ -731,17 +731,26 @@ def tma_weights(pw: PreparedWeights, fused_gu: bool):
     """The TMA views of ``pw`` (``tma.TmaWeights``), built on first use and kept with ``pw``.
     ``fused_gu`` keeps an interleaved copy of ``w13`` (gate and up rows alternating): the memory of
     ``w13`` once more, for as long as the weights live."""
-    tw = pw.tma_views.get(fused_gu)
-    if tw is None:
-        if pw.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the TMA path's weight views are built outside CUDA graph capture: call "
-                "ops.prepare_tma_views(pw, ...) (the backend's prepare does) or run the call once "
-                "eagerly before capturing it")
+    def build():
         from moe_runtime_triton import tma
 
-        tw = pw.tma_views[fused_gu] = tma.prepare_tma(pw, fused_gu=fused_gu)
-    return tw
+        return tma.prepare_tma(pw, fused_gu=fused_gu)
+
+    return _built_once(pw, pw.tma_views, fused_gu, build, "the TMA path's weight views",
+                       "prepare_tma_views")
+
+
+def _built_once(pw: PreparedWeights, views: dict, key, build, what: str, prepare: str):
+    """``views[key]``, made by ``build()`` on first use (never inside a CUDA-graph capture: the
+    error names ``what`` and the ``ops.<prepare>`` that makes it at the backend's prepare)."""
+    made = views.get(key)
+    if made is None:
+        if pw.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{what} are built outside CUDA graph capture: call ops.{prepare}(pw, ...) (the "
+                "backend's prepare does) or run the call once eagerly before capturing it")
+        made = views[key] = build()
+    return made
 
 
 def prepare_tma_views(pw: PreparedWeights, topk: int) -> list[bool]:
@@ -881,18 +890,13 @@ def w4a16_weights(pw: PreparedWeights, lo):
     """The repacked weights of ``pw`` in layout ``lo`` (``w4a16.W4A16Weights``), built on first use
     and kept with ``pw``: a second copy of the layer's 4-bit codes and block scales, for as long as
     the weights live."""
-    key = w4a16_layout_key(lo)
-    ww = pw.w4a16_views.get(key)
-    if ww is None:
-        if pw.w13.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the W4A16 path's repacked weights are built outside CUDA graph capture: call "
-                "ops.prepare_w4a16_views(pw, ...) (the backend's prepare does) or run the call "
-                "once eagerly before capturing it")
+    def build():
         from moe_runtime_triton import w4a16
 
-        ww = pw.w4a16_views[key] = w4a16.from_prepared(pw, lo)
-    return ww
+        return w4a16.from_prepared(pw, lo)
+
+    return _built_once(pw, pw.w4a16_views, w4a16_layout_key(lo), build,
+                       "the W4A16 path's repacked weights", "prepare_w4a16_views")
 
 
 def prepare_w4a16_views(pw: PreparedWeights, topk: int) -> list[tuple]:

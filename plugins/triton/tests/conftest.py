@@ -40,3 +40,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def tuned_table(tmp_path, monkeypatch):
+    """A tuned table of the test's own at ``MOE_TRITON_CONFIGS`` (the path it yields, written by
+    the test), read afresh; the plugin's own table again afterwards."""
+    from moe_runtime_triton import ops
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setenv("MOE_TRITON_CONFIGS", str(path))
+    ops._tuned_table.cache_clear()
+    ops._table_applies.cache_clear()
+    yield path
+    monkeypatch.delenv("MOE_TRITON_CONFIGS")
+    ops._tuned_table.cache_clear()
+    ops._table_applies.cache_clear()

@@ -100,18 +100,6 @@ def test_weights_it_cannot_run_stay_on_the_sorted_path(device, table_mode):
     assert rel_err(out, reference(x, ids, wts, w)) < TOL["nvfp4_w4a16"]
 
 
-@pytest.fixture
-def tuned_table(tmp_path, monkeypatch):
-    path = tmp_path / "configs.json"
-    monkeypatch.setenv("MOE_TRITON_CONFIGS", str(path))
-    ops._tuned_table.cache_clear()
-    ops._table_applies.cache_clear()
-    yield path
-    monkeypatch.delenv("MOE_TRITON_CONFIGS")
-    ops._tuned_table.cache_clear()
-    ops._table_applies.cache_clear()
-
-
 def test_prepare_builds_the_views_the_table_names(device, table_mode, tuned_table):
     E, H, I, N, K = 4, 64, 32, 24, 2
     w, x, ids, wts = _inputs("fp16", E, H, I, N, K, device, seed=4)

@@ -172,18 +172,6 @@ def test_bad_configs_are_named(device):
         ops.w4a16_layout(pw, {"layout": "r128k128"})
 
 
-@pytest.fixture
-def tuned_table(tmp_path, monkeypatch):
-    path = tmp_path / "configs.json"
-    monkeypatch.setenv("MOE_TRITON_CONFIGS", str(path))
-    ops._tuned_table.cache_clear()
-    ops._table_applies.cache_clear()
-    yield path
-    monkeypatch.delenv("MOE_TRITON_CONFIGS")
-    ops._tuned_table.cache_clear()
-    ops._table_applies.cache_clear()
-
-
 def _backend(E, K):
     be = TritonExperts.__new__(TritonExperts)  # the setup's checks are the planner's business
     be.setup = types.SimpleNamespace(num_local_experts=E, runs_as="nvfp4_w4a16",
