@@ -57,6 +57,8 @@ class MoEExecutor:
 
     def _with_range(self, path, tokens_per_rank: int):
         """``path`` with the experts backend the plan's ranges give this batch size."""
+        if not self.range_experts:  # no ranges: every forward of most plans, no lookups
+            return path
         name = self.plan.experts_for(tokens_per_rank)
         if name == self.plan.experts:
             return path
@@ -104,8 +106,8 @@ def build_executor(
 
     One communication backend object per planned mode, one experts backend object per layout the
     modes deliver (each prepares its own kernel layout), and as many again for each other experts
-    backend of the plan's ``experts_by_tokens`` (each holds its own prepared weights). ``weights`` holds the *local* experts of
-    this rank, on ``device``.
+    backend of the plan's ``experts_by_tokens`` (each holds its own prepared weights).
+    ``weights`` holds the *local* experts of this rank, on ``device``.
     """
     device = str(device)
     classes = {name: load_factory(registry.experts_spec(name).factory)
