@@ -33,9 +33,9 @@ HUMMING_EXPERTS = ExpertsBackendSpec(
                  "quantized (no FP4 tensor cores on compute capability 9.0)",
         ),
     ),
-    # below triton (30): on the H200 Humming is faster from 1024 tokens on (and at 16 tokens on
-    # wide experts) but slower at 1 token, where decode spends its steps (benchmarks/RESULTS.md);
-    # pin it with --moe-runner-backend humming for prefill-heavy work
+    # below triton (30): slower at 1 token on the H200, faster from 1024 tokens only as the peer
+    # fed by the triton routing (benchmarks/RESULTS.md); `moe-runtime tune` decides per batch
+    # size, or pin it with --moe-runner-backend humming
     priority=20,
     # routing and combine are torch ops sized from shapes, the kernels compiled at prepare: the
     # conformance suite captures and replays every declared combination on the H200
