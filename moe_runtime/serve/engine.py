@@ -8,8 +8,9 @@ model's keys and values, else :class:`~moe_runtime.serve.batching.CacheBatcher` 
 and cancels requests that end early (a stop string, a client gone). Sampling runs inside the batch
 through :class:`~moe_runtime.serve.sampling.BatchSampler` (tensor operations over the batch), which
 lets continuous batching replay CUDA graphs for decode on a CUDA device
-(:func:`~moe_runtime.serve.batching.choose_cuda_graphs`); every forward stays within the plan's
-token bound (:func:`~moe_runtime.serve.batching.plan_token_bound`).
+(:func:`~moe_runtime.serve.batching.choose_cuda_graphs`), and prepare the next step while the
+device runs the current one (:func:`~moe_runtime.serve.batching.choose_overlap`); every forward
+stays within the plan's token bound (:func:`~moe_runtime.serve.batching.plan_token_bound`).
 
 The engine is *ready* only after :meth:`Engine.probe` generated one token through the same path
 that requests take; a probe that fails raises :class:`ReadinessError`, naming the architecture, the
@@ -36,6 +37,7 @@ from moe_runtime.serve.batching import (
     CacheBatcher,
     choose_batching,
     choose_cuda_graphs,
+    choose_overlap,
     plan_token_bound,
 )
 from moe_runtime.serve.detokenize import IncrementalDetokenizer
@@ -126,6 +128,11 @@ class Engine:
         too, their query tokens padded to geometric buckets
         (:func:`~moe_runtime.serve.graph_shapes.query_bucket`); ``None`` (default) reads
         ``MOE_RUNTIME_GRAPH_PREFILL`` (``1`` on; off when unset). Off, prefill steps run eagerly.
+    :param async_batching: continuous batching on a CUDA device prepares step N+1 (scheduling,
+        inputs, their copy to the device) while the device runs step N, and delivers step N's
+        tokens after launching step N+1 (transformers' asynchronous batching); ``False`` runs
+        one step at a time; ``None`` (default) reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``0`` off,
+        on when unset). Tokens, seeded draws and log-probabilities are the same either way.
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
@@ -140,7 +147,8 @@ class Engine:
                  kv_cache_tokens: int | None = None, seed: int | None = None,
                  cuda_graphs: bool | None = None,
                  max_tokens_per_forward: int | None = None,
-                 graph_prefill: bool | None = None) -> None:
+                 graph_prefill: bool | None = None,
+                 async_batching: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -194,7 +202,8 @@ class Engine:
                             cuda_graphs)
         graphs = choose_cuda_graphs(*self._graph_args, prefill=prefill,
                                     blockers=loaded.graph_blockers)
-        self.batching = attrs.evolve(batching_choice, graphs=graphs)
+        self.batching = attrs.evolve(batching_choice, graphs=graphs, overlap=choose_overlap(
+            device, batching_choice.path, async_batching))
         self.sampler = BatchSampler(vocab_size_of(loaded.model), max_slots=2 * self.batch_cap + 16,
                                     max_batch=self.batch_cap,
                                     max_bans=len(self.eos_token_ids) + MAX_STOP_TOKEN_IDS,
@@ -257,31 +266,33 @@ class Engine:
             # without flash attention's decode path decode runs the varlen path, padded to this
             # many query tokens (transformers' default, 64, pads one request to 64 tokens)
             q_padding_interval_size=DECODE_PADDING if self.batching.graphs.on else 0,
-            # synchronous: the sampler's per-step bookkeeping (rows, log-probabilities) follows
-            # the steps in order
-            use_async_batching=False,
+            # the sampler keeps a second log-probability buffer for the step launched before the
+            # one before it is delivered
+            use_async_batching=self.batching.overlap.on,
         )
         manager = self.loaded.model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = processor_list(self.sampler)
-        # log-probabilities of a step are read once its tokens are on the host, before they are
-        # delivered (transformers 5.14 has no hook for it: its router's batch delivery is wrapped)
+        # a finished request's sampler row goes back as its last token is delivered
         router = manager.output_router
         deliver_batch = router.deliver_batch
 
-        def deliver_after_collect(outputs):
-            self.sampler.collect()
+        def deliver_and_release(outputs):
             for out in outputs:
                 if out.is_finished():
                     self.sampler.release(self._slots.get(out.request_id, GREEDY))
             deliver_batch(outputs)
 
-        router.deliver_batch = deliver_after_collect
+        router.deliver_batch = deliver_and_release
+        # transformers 5.14-5.17 build the batch processor on the batching thread unless it
+        # exists; made here, its outputs feed the sampler's log-probabilities and (graphs on) its
+        # runner replays graphs for decode batches (and, opted in, for prefill and mixed ones)
+        manager.batch_processor = processor = manager._create_batch_processor()
+        io = processor.inputs_and_outputs
+        self.sampler.pipeline(2 if self.batching.overlap.on else 1,
+                              stream=getattr(io, "compute_stream", None))
+        _collect_with_outputs(io, self.sampler)
         if self.batching.graphs.on:
-            # transformers 5.14-5.17 build the batch processor on the batching thread unless it
-            # exists; made here, its runner replays graphs for decode batches (and, opted in,
-            # for prefill and mixed ones)
-            manager.batch_processor = processor = manager._create_batch_processor()
             policy = _GraphPolicy.install(processor, prefill=self.batching.graphs.prefill)
             eager_because = ""  # why prefill steps stay eager though graphing them was asked for
             # without the policy transformers graphs every step: its queries are bucketed too
@@ -296,6 +307,7 @@ class Engine:
             # captures the decode sizes of flash attention's decode path, and (prefill graphed)
             # the largest varlen step first, so the graph pool is sized once
             manager.warmup()
+            self.sampler.forget_steps()  # warm-up forwards are never delivered
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
             if policy is not None and policy.capture_failures:
                 # transformers' warm-up logs and swallows a failed capture (the policy has sent
@@ -604,6 +616,28 @@ PREFILL_TOKENS = 2048  # tokens of one prefill forward, within the plan's bound
 DECODE_PADDING = 8  # query tokens a graphed decode batch is padded to a multiple of
 
 
+def _collect_with_outputs(io, sampler: BatchSampler) -> None:
+    """Record a step's log-probabilities when its outputs reach the host: ``io``'s
+    ``prepare_batch_update`` (every step's update calls it once, in step order, after the step's
+    device-to-host copy; synchronous and asynchronous batching alike) collects from the sampler
+    before the tokens are delivered."""
+    prepare = io.prepare_batch_update
+
+    def prepare_batch_update(*args, **kwargs):
+        update = prepare(*args, **kwargs)
+        sampler.collect()
+        return update
+
+    io.prepare_batch_update = prepare_batch_update
+
+
+def _host_io(io):
+    """The host-side inputs of the step being prepared or computed: ``io`` itself, or with
+    asynchronous batching the current one of its two IO pairs."""
+    pairs = getattr(io, "io_pairs", None)
+    return pairs[io.current_pair].host_io if pairs else io
+
+
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
@@ -649,7 +683,7 @@ class _GraphPolicy:
             runner._capture_graph = capture_graph
 
     def decode_only(self, use_block_table: bool) -> bool:
-        io = self._io
+        io = _host_io(self._io)
         return bool(use_block_table) or io.total_seqlen_q == io.num_request_in_batch
 
     @classmethod
@@ -658,8 +692,10 @@ class _GraphPolicy:
         included) where this transformers lacks what the policy reads."""
         runner = getattr(processor, "model_runner", None)
         io = getattr(processor, "inputs_and_outputs", None)
+        host = _host_io(io) if io is not None else None
         missing = [name for owner, name in ((runner, "_get_forward_fn"),
-                                            (io, "total_seqlen_q"), (io, "num_request_in_batch"))
+                                            (host, "total_seqlen_q"),
+                                            (host, "num_request_in_batch"))
                    if not hasattr(owner, name)]
         if missing:
             log.warning("CUDA graphs: this transformers' batch processor has no %s; its runner "

@@ -17,6 +17,8 @@ out of rows, however the scheduler interleaves, preempts or restarts requests.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import math
 import secrets
@@ -40,6 +42,10 @@ GREEDY = -1
 # temperature near 0 overflows to inf, and the draw would then pick among the infinite logits
 # by sort order (the least likely of the positive ones), not the likeliest
 GREEDY_BELOW = 1e-5
+# sets of log-probability buffers: a step writes one while the step before it may still be
+# waiting for collect() (transformers' asynchronous batching launches step N+1 before step N's
+# tokens reach the host)
+_BUFFERS = 2
 
 
 class SamplingError(ValueError):
@@ -210,7 +216,8 @@ class BatchSampler:
 
     ``open``, ``close``, ``release`` and ``records`` may be called from any thread;
     ``rows_for``, ``sample`` and ``collect`` from the batching thread only, in that order each
-    step.
+    step, or (after :meth:`pipeline` with depth 2) with the next step's ``rows_for`` and
+    ``sample`` between a step's ``sample`` and its ``collect``.
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int = 64, max_batch: int = 64,
@@ -233,20 +240,28 @@ class BatchSampler:
         self._fparams[:, [_T, _TOP_P, _REP, _GREEDY]] = 1.0
         self._iparams[:, _TOP_K] = vocab_size
         self._counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=self.device)
-        self._lp_chosen = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
-        self._lp_values = torch.zeros((max_batch, MAX_LOGPROBS), dtype=torch.float32,
+        # per buffer (see _BUFFERS) and row of a step: its token, the token's log-probability
+        # and the top MAX_LOGPROBS alternatives
+        self._lp_chosen = torch.zeros((_BUFFERS, max_batch), dtype=torch.float32,
                                       device=self.device)
-        self._lp_ids = torch.zeros((max_batch, MAX_LOGPROBS), dtype=torch.int64,
+        self._lp_values = torch.zeros((_BUFFERS, max_batch, MAX_LOGPROBS), dtype=torch.float32,
+                                      device=self.device)
+        self._lp_ids = torch.zeros((_BUFFERS, max_batch, MAX_LOGPROBS), dtype=torch.int64,
                                    device=self.device)
-        self._tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros((_BUFFERS, max_batch), dtype=torch.int64, device=self.device)
         self._slots: dict[int, _Slot] = {}
         self._holding: set[int] = set()  # keys of open slots not yet released: each may need a row
         self._closed: list[_Slot] = []
         self._free = list(range(max_slots, 0, -1))
         self._lock = threading.Lock()
         self._next = 0
-        # the last step, for collect(): its slots (None: a greedy row) and what it ran
-        self._step: list[_Slot | None] = []
+        # steps sampled and not collected yet, oldest first: (their slots (None: a greedy row),
+        # their log-probability buffer); at most one unless pipeline() allows two
+        self._pending: collections.deque = collections.deque(maxlen=1)
+        self._issued = 0
+        # the stream the steps compute on, where row assignments are written (None: the
+        # current one); see pipeline()
+        self.stream = None
         self._flags = (True, True, True, True)
         # called with the number of sequences that get a token, once per forward step
         self.on_step: Callable[[int], None] | None = None
@@ -324,6 +339,25 @@ class BatchSampler:
 
     # --- the batching thread
 
+    def pipeline(self, depth: int, stream=None) -> None:
+        """How many steps may be sampled before the oldest is collected: 1 (each step collected
+        before the next one is prepared) or 2 (transformers' asynchronous batching: step N+1 is
+        prepared and launched on ``stream`` while step N runs). ``stream``: the CUDA stream the
+        steps compute on; row assignments are written there, after the step before them (whose
+        rows may be the ones being reused), instead of on the preparing thread's stream."""
+        _check(depth in (1, _BUFFERS), f"pipeline depth {depth}: 1 or {_BUFFERS}")
+        self._pending = collections.deque(self._pending, maxlen=depth)
+        self.stream = stream
+
+    def forget_steps(self) -> None:
+        """Drop the steps not collected yet (warm-up forwards, which are never delivered)."""
+        self._pending.clear()
+
+    @property
+    def newest_buffer(self) -> int:
+        """The log-probability buffer of the step :meth:`rows_for` prepared last."""
+        return self._pending[-1][1] if self._pending else 0
+
     def rows_for(self, keys: Sequence[int]) -> torch.Tensor:
         """The table rows of one step's requests (int32, on the host), in ``keys`` order.
 
@@ -339,8 +373,11 @@ class BatchSampler:
             slots = [self._slots.get(k) if k != GREEDY else None for k in keys]
         fresh = [s for s in slots if s is not None and s.row is None]
         if fresh:
-            self._assign(fresh)
-        self._step = slots
+            with (torch.cuda.stream(self.stream) if self.stream is not None
+                  else contextlib.nullcontext()):
+                self._assign(fresh)
+        self._pending.append((slots, self._issued % _BUFFERS))
+        self._issued += 1
         if self.on_step is not None and keys:
             self.on_step(len(keys))
         live = [s.params for s in slots if s is not None]
@@ -369,22 +406,28 @@ class BatchSampler:
             ids = [t for t in p.stop_token_ids if t < self.vocab_size][:self.max_bans] \
                 if p.bans else []
             bans[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        dev_rows = rows.to(self.device)
-        self._fparams.index_copy_(0, dev_rows, torch.tensor(fvals).to(self.device))
-        self._iparams.index_copy_(0, dev_rows, torch.tensor(ivals, dtype=torch.int64)
-                                  .to(self.device))
-        self._bans.index_copy_(0, dev_rows, bans.to(self.device))
+        # host tensors made here and not kept: copied without a stream sync (the preparing
+        # thread must not wait for the step in flight)
+        dev = {"device": self.device, "non_blocking": True}
+        dev_rows = rows.to(**dev)
+        self._fparams.index_copy_(0, dev_rows, torch.tensor(fvals).to(**dev))
+        self._iparams.index_copy_(0, dev_rows, torch.tensor(ivals, dtype=torch.int64).to(**dev))
+        self._bans.index_copy_(0, dev_rows, bans.to(**dev))
         self._counts.index_fill_(0, dev_rows, 0)
         for s in fresh:
             ids = [t for t in s.prompt if 0 <= t < self.vocab_size]
             if ids:
                 self._counts[s.row].index_fill_(
-                    0, torch.tensor(ids, dtype=torch.int64).to(self.device), _PROMPT_BIT)
+                    0, torch.tensor(ids, dtype=torch.int64).to(**dev), _PROMPT_BIT)
 
-    def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor,
+               buffer: torch.Tensor | int | None = None) -> torch.Tensor:
         """The next token of each row (int64 [B], on the logits' device); no host sync.
 
-        ``logits``: [B, vocab_size]; ``rows``: [B] from :meth:`rows_for` (on any device).
+        ``logits``: [B, vocab_size]; ``rows``: [B] from :meth:`rows_for` (on any device);
+        ``buffer``: where the step's log-probabilities go, :attr:`newest_buffer` of the step's
+        ``rows_for`` (a device tensor whose first element holds it, read when a CUDA graph
+        replays, or an int); None: the last ``rows_for``'s.
         """
         b, v = logits.shape
         if v != self.vocab_size or b > self.max_batch:
@@ -400,20 +443,26 @@ class BatchSampler:
         tokens = x.argmax(dim=-1)
         if sampled:
             tokens = torch.where(fp[:, _GREEDY] > 0, tokens, self._draw(x, fp, ip))
+        if isinstance(buffer, torch.Tensor):
+            at = buffer.reshape(-1)[:1].to(device=logits.device, dtype=torch.int64).expand(b)
+        else:
+            at = torch.full((b,), self.newest_buffer if buffer is None else int(buffer),
+                            dtype=torch.int64, device=logits.device)
+        at = (at, torch.arange(b, device=logits.device))
         if logprobs:
             logp = torch.log_softmax(raw, dim=-1)
-            self._lp_chosen[:b].copy_(logp.gather(1, tokens[:, None])[:, 0])
+            self._lp_chosen.index_put_(at, logp.gather(1, tokens[:, None])[:, 0])
             k = min(MAX_LOGPROBS, v)
             values, ids = torch.topk(logp, k, dim=-1)
-            self._lp_values[:b, :k].copy_(values)
-            self._lp_ids[:b, :k].copy_(ids)
+            self._lp_values[:, :, :k].index_put_(at, values)
+            self._lp_ids[:, :, :k].index_put_(at, ids)
         # the step's bookkeeping: each row's position and (if any row is penalized) counts
         self._iparams.index_put_((rows, torch.full_like(rows, _POS)), torch.ones_like(rows),
                                  accumulate=True)
         if penalized:
             self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                     accumulate=True)
-        self._tokens[:b].copy_(tokens)
+        self._tokens.index_put_(at, tokens)
         return tokens
 
     def _draw(self, x: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor) -> torch.Tensor:
@@ -435,17 +484,21 @@ class BatchSampler:
         return torch.empty_like(ascending).scatter_(1, order, ascending)
 
     def collect(self) -> None:
-        """After the host has the last step's tokens: record log-probabilities for the rows of
-        that step that asked for them (one device-to-host copy, only then)."""
-        wanted = [(i, s) for i, s in enumerate(self._step)
+        """After the host has the oldest uncollected step's tokens (its computation is done):
+        record log-probabilities for the rows of that step that asked for them (one
+        device-to-host copy, only then)."""
+        if not self._pending:
+            return
+        step, buf = self._pending.popleft()
+        wanted = [(i, s) for i, s in enumerate(step)
                   if s is not None and s.params.logprobs is not None]
         if not wanted:
             return
-        n = len(self._step)
-        tokens = self._tokens[:n].tolist()
-        chosen = self._lp_chosen[:n].tolist()
-        values = self._lp_values[:n].tolist()
-        ids = self._lp_ids[:n].tolist()
+        n = len(step)
+        tokens = self._tokens[buf, :n].tolist()
+        chosen = self._lp_chosen[buf, :n].tolist()
+        values = self._lp_values[buf, :n].tolist()
+        ids = self._lp_ids[buf, :n].tolist()
         with self._lock:
             for i, s in wanted:
                 top = min(s.params.logprobs, self.vocab_size)
@@ -538,7 +591,9 @@ def processor_list(sampler: BatchSampler):
     class SamplerProcessorList(base_list):
         def __init__(self) -> None:
             super().__init__(processors([_Rows()]), per_request_processors=False)
-            self.tensors_required = 1
+            # row 0: each sequence's sampler row; row 1 (every entry): the step's
+            # log-probability buffer, read on the device (a replayed graph sees the new one)
+            self.tensors_required = 2
             self.sampler = sampler
 
         def fill_defaults(self, int32_tensor):
@@ -550,10 +605,12 @@ def processor_list(sampler: BatchSampler):
             rows = torch.zeros(arg_storage.shape[-1], dtype=torch.int32)
             rows[:len(keys)] = sampler.rows_for(keys)
             arg_storage[0].copy_(rows)
+            arg_storage[1].fill_(sampler.newest_buffer)
             return arg_storage
 
         def __call__(self, input_ids, scores, logits_processor_args):
-            tokens = sampler.sample(scores, logits_processor_args[0, :scores.shape[0]])
+            tokens = sampler.sample(scores, logits_processor_args[0, :scores.shape[0]],
+                                    buffer=logits_processor_args[1, :1])
             out = torch.full_like(scores, float("-inf"))
             return out.scatter_(1, tokens[:, None], 0.0)
 

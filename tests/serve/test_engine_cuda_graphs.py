@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_runtime.serve.batching import CONTINUOUS, DYNAMIC, choose_cuda_graphs, plan_token_bound
+from moe_runtime.serve.batching import (
+    ASYNC_ENV,
+    CONTINUOUS,
+    DYNAMIC,
+    choose_cuda_graphs,
+    choose_overlap,
+    plan_token_bound,
+)
 from moe_runtime.serve.sampling import SamplingParams
 
 
@@ -20,6 +27,24 @@ def test_graphs_stay_off_on_a_cpu_and_say_why():
     assert not choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "x", requested=False).on
     on = choose_cuda_graphs("cuda:0", CONTINUOUS, 8, "the plan's deployment max_tokens_per_rank")
     assert on.on and on.max_tokens == 8 and "at most 8 tokens" in on.describe()
+
+
+def test_overlap_is_on_for_continuous_batching_on_cuda_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(ASYNC_ENV, raising=False)
+    on = choose_overlap("cuda:0", CONTINUOUS)
+    assert on.on and "launched while the current one runs" in on.describe()
+    cpu = choose_overlap("cpu", CONTINUOUS, requested=True)
+    assert not cpu.on and "runs on cpu" in cpu.describe()
+    assert not choose_overlap("cuda:0", DYNAMIC).on
+    off = choose_overlap("cuda:0", CONTINUOUS, requested=False)
+    assert not off.on and "async_batching=False" in off.describe()
+    monkeypatch.setenv(ASYNC_ENV, "0")
+    env_off = choose_overlap("cuda:0", CONTINUOUS)
+    assert not env_off.on and f"{ASYNC_ENV}=0" in env_off.describe()
+    assert choose_overlap("cuda:0", CONTINUOUS, requested=True).on  # the argument wins
+    monkeypatch.setenv(ASYNC_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{ASYNC_ENV}='yes': expected 1"):
+        choose_overlap("cuda:0", CONTINUOUS)
 
 
 def test_the_token_bound_is_the_smallest_the_plan_declares():
@@ -41,6 +66,7 @@ def test_an_engine_on_a_cpu_reports_graphs_off(model_dir):
     loaded = load_for_serving(model_dir, dtype="float32", progress=False)
     engine = Engine(loaded, max_batch_size=4)
     assert "CUDA graphs off: the model runs on cpu" in engine.batching.describe()
+    assert "host/device overlap off: the model runs on cpu" in engine.batching.describe()
     assert not engine.sampler.static
     # a bound below the batch caps both the decode batch and the prefill chunk
     capped = Engine(loaded, max_batch_size=8, max_tokens_per_forward=4)
@@ -63,6 +89,13 @@ def _gpu_model(tmp: Path) -> Path:
     except ImportError:
         quant = "bf16"
     return make_default_model(tmp / quant, quant=quant)
+
+
+def _captured(engine) -> set:
+    """The padded shapes transformers captured graphs for (both IO pairs when overlapped)."""
+    io = engine._manager.batch_processor.inputs_and_outputs
+    stores = [p.device_io for p in io.io_pairs] if hasattr(io, "io_pairs") else [io]
+    return {key for store in stores for key in store.graphs._storage}
 
 
 async def _greedy_batch(engine, prompts, max_tokens):
@@ -106,7 +139,7 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
             tokens[graphs, "alone"] = asyncio.run(_seeded(engine, prompts[:1], 24))[0]
             tokens[graphs, "batched"] = asyncio.run(_seeded(engine, prompts, 24))[0]
             if graphs is None:  # transformers keeps its captured graphs by padded shape
-                captured = engine._manager.batch_processor.inputs_and_outputs.graphs._storage
+                captured = _captured(engine)
                 assert captured, "no graph was captured"
                 # decode batches only (6 requests, padded to 8): no prefill shape was captured
                 assert all(key[0] <= 8 for key in captured), sorted(captured)
@@ -187,8 +220,7 @@ def test_gpu_graph_replayed_prefill_gives_the_eager_greedy_tokens(tmp_path):
             assert len({len(p) for p in prompts}) >= 5, [len(p) for p in prompts]
             tokens[prefill] = asyncio.run(_greedy_batch(engine, prompts, 16))
             if prefill:
-                io = engine._manager.batch_processor.inputs_and_outputs
-                captured = set(io.graphs._storage)
+                captured = _captured(engine)
                 # more query tokens than the decode batch (8): a prefill step was graphed
                 assert any(key[0] > 8 for key in captured), sorted(captured)
                 assert engine.batching.graphs.prefill, "prefill graphing fell back to eager"
@@ -215,3 +247,51 @@ def test_prefill_graphing_is_read_from_the_environment(model_dir, monkeypatch):
     engine = Engine(loaded, max_batch_size=4)  # on a CPU nothing is graphed, prefill or not
     assert not engine.batching.graphs.on and not engine.batching.graphs.prefill
     assert Engine(loaded, max_batch_size=4, graph_prefill=False).batching.graphs.prefill is False
+
+
+async def _with_logprobs(engine, prompts, max_tokens):
+    """Greedy and seeded requests in one batch, each asking for log-probabilities."""
+    params = [SamplingParams(temperature=0.0, logprobs=3) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, logprobs=2)
+              for i in range(len(prompts))]
+    results = await asyncio.gather(*[engine.complete(p, max_tokens=max_tokens, sampling=s)
+                                     for p, s in zip(prompts, params, strict=True)])
+    return [(list(r.token_ids), [(lp.token, round(lp.logprob, 4), tuple(t for t, _ in lp.top))
+                                 for lp in r.logprobs]) for r in results]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (overlapped "
+                                                            "batching runs on CUDA streams)")
+def test_gpu_overlapped_steps_give_the_one_at_a_time_tokens_and_logprobs(tmp_path):
+    """Asynchronous batching launches step N+1 before step N's tokens reach the host: the tokens,
+    seeded draws and log-probabilities must be those of one step at a time, graphs on."""
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    got = {}
+    for overlap in (False, None):
+        engine = Engine(loaded, max_batch_size=8, max_model_len=256, batching="continuous",
+                        async_batching=overlap)
+        assert engine.batching.overlap.on is (overlap is None), engine.batching.describe()
+        assert engine.batching.graphs.on, engine.batching.describe()
+        engine.start()
+        try:
+            prompts = [engine.encode_prompt(f"request {i}: in a land far away") for i in range(6)]
+            got[overlap] = (asyncio.run(_greedy_batch(engine, prompts, 20)),
+                            asyncio.run(_with_logprobs(engine, prompts, 20)),
+                            asyncio.run(_seeded(engine, prompts, 20)))
+            if overlap is None:
+                io = engine._manager.batch_processor.inputs_and_outputs
+                assert hasattr(io, "io_pairs"), type(io).__name__
+                assert _captured(engine), "no graph was captured"
+        finally:
+            engine.shutdown()
+    greedy, logprobs, seeded = got[None]
+    assert all(len(t) == 20 for t in greedy)
+    assert greedy == got[False][0]
+    assert all(len(records) == 20 for _, records in logprobs)
+    assert logprobs == got[False][1]
+    assert seeded == got[False][2]

@@ -257,7 +257,8 @@ def test_the_continuous_batching_list_points_padding_rows_at_the_scratch_row():
     s = BatchSampler(V, max_slots=4, max_batch=8)
     procs = processor_list(s)
     key = s.open(SamplingParams(temperature=1.0, seed=3))
-    storage = torch.full((1, 8), 3, dtype=torch.int32)  # what an earlier step left there
+    # what an earlier step left there
+    storage = torch.full((procs.tensors_required, 8), 3, dtype=torch.int32)
     procs.prepare_tensor_args([_Req(key), _Req(GREEDY)], storage)
     assert storage[0, 1:].tolist() == [0] * 7 and storage[0, 0] > 0
     logits = _logits(1, rows=4)[0]
@@ -284,3 +285,94 @@ def test_a_temperature_near_zero_is_greedy(temperature):
     key = s.open(SamplingParams(temperature=temperature, seed=1))
     assert key == GREEDY
     assert [_step(s, [key], step)[0] for step in logits] == logits[:, 0].argmax(-1).tolist()
+
+
+def _run_steps(params, logits, pipelined: bool):
+    """Steps through the continuous-batching list as transformers drives it: each step prepared
+    (rows_for), then sampled; collected right after (synchronous batching) or only after the
+    next step has been prepared and sampled too (asynchronous batching, two argument storages
+    alternating like its two IO pairs). Returns each request's tokens and records."""
+    s = BatchSampler(V, max_slots=4, max_batch=4)
+    if pipelined:
+        s.pipeline(2)
+    procs = processor_list(s)
+    keys = [s.open(p) for p in params]
+    storages = [torch.zeros((procs.tensors_required, 4), dtype=torch.int32) for _ in range(2)]
+    tokens = {i: [] for i in range(len(keys))}
+    in_flight = []
+    for n, step in enumerate(logits):
+        storage = storages[n % 2]
+        procs.prepare_tensor_args([_Req(k) for k in keys], storage)
+        scores = procs(None, step.clone(), storage[:, :len(keys)])
+        in_flight.append(scores.argmax(-1).tolist())
+        if not pipelined or len(in_flight) == 2:
+            s.collect()
+            for i, t in enumerate(in_flight.pop(0)):
+                tokens[i].append(t)
+    for done in in_flight:
+        s.collect()
+        for i, t in enumerate(done):
+            tokens[i].append(t)
+    return [tokens[i] for i in range(len(keys))], [s.records(k) for k in keys]
+
+
+def test_asynchronous_batching_order_gives_the_same_tokens_and_logprobs():
+    # step N+1 is prepared and sampled before step N's log-probabilities are collected: each
+    # step's records must still be its own (one buffer per step in flight)
+    params = [SamplingParams(temperature=0.0, logprobs=4),
+              SamplingParams(temperature=0.9, seed=11, logprobs=2),
+              SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.3)]
+    logits = _logits(6, rows=3, seed=21)
+    sync_tokens, sync_records = _run_steps(params, logits, pipelined=False)
+    async_tokens, async_records = _run_steps(params, logits, pipelined=True)
+    assert async_tokens == sync_tokens
+    assert [len(r) for r in async_records] == [6, 6, 0]
+    assert async_records == sync_records
+    for r, step, token in zip(async_records[0], logits, sync_tokens[0], strict=True):
+        assert r.token == token
+        assert r.logprob == pytest.approx(float(step[0].log_softmax(-1)[token]), abs=1e-5)
+
+
+def test_a_pipelined_step_collected_late_reads_its_own_buffer_not_the_next_ones():
+    # without the second buffer the next step's sample would overwrite this step's records
+    s = BatchSampler(V, max_slots=2, max_batch=2)
+    s.pipeline(2)
+    key = s.open(SamplingParams(temperature=0.0, logprobs=1))
+    first, second = _logits(2, rows=1, seed=3)
+    t1 = s.sample(first, s.rows_for([key])).item()
+    t2 = s.sample(second, s.rows_for([key])).item()
+    s.collect()
+    assert [r.token for r in s.records(key)] == [t1]
+    assert s.records(key)[0].logprob == pytest.approx(float(first[0].log_softmax(-1)[t1]),
+                                                      abs=1e-5)
+    s.collect()
+    assert [r.token for r in s.records(key)] == [t1, t2]
+    s.collect()  # nothing left: no record made up
+    assert len(s.records(key)) == 2
+
+
+def test_a_row_reused_while_its_last_step_is_in_flight_starts_the_new_request_afresh():
+    # asynchronous batching samples a finished request once more (step N+1 was launched before
+    # step N's token said it finished); its row, released after step N is collected, goes to a
+    # new request whose draws must be those it makes alone
+    logits = _logits(8, rows=1, seed=9)
+    alone = _run_alone(SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.2),
+                       logits[3:])
+    s = BatchSampler(V, max_slots=1, max_batch=1)
+    s.pipeline(2)
+    first = s.open(SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.2))
+    s.sample(logits[0], s.rows_for([first]))
+    s.sample(logits[1], s.rows_for([first]))  # launched before step 0 is collected
+    s.collect()
+    s.release(first)  # step 0 said it finished: step 1's token is thrown away
+    second = s.open(SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.2))
+    assert second is not None
+    s.collect()
+    got = [s.sample(step, s.rows_for([second])).item() for step in logits[3:]]
+    assert got == alone
+
+
+def test_pipeline_depth_is_one_or_two():
+    s = BatchSampler(V, max_slots=1, max_batch=1)
+    with pytest.raises(SamplingError, match="pipeline depth 3: 1 or 2"):
+        s.pipeline(3)
