@@ -11,6 +11,9 @@
 #                                                # then the tune; ~6 min (carry .whl)
 #   bash benchmarks/run_pending_gpu.sh w4a16     # issue 20: the W4A16 path through the backend,
 #                                                # forced; ~8 min
+#   bash benchmarks/run_pending_gpu.sh overlap   # issue 15: host/device overlap
+#                                                # (MOE_RUNTIME_ASYNC_BATCHING=1); ~9 min
+#                                                # (carry .gpu_carry/serve_whl)
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -100,8 +103,24 @@ w4a16)
         --formats nvfp4_w4a16 --tokens 1 16 128 --peers --time-budget 170 --warm-workers 15 \
         --out "$OUT/w4a16_backend"
     ;;
+overlap)
+    # host/device overlap (transformers' asynchronous batching, e79d7ef; CPU-tested only): the
+    # GPU tests (overlapped against one step at a time: greedy tokens, seeded draws and
+    # log-probabilities), then both sides overlapped at every client count, then the 16-client
+    # profile (its wall ms per step against its GPU ms: what the overlap hides)
+    wheels .gpu_carry/serve_whl
+    step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_engine_cuda_graphs.py
+    step checkpoint 90 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    step bench_serve 300 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/bench_serve.py \
+        --model /tmp/q30 --device cuda --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 \
+        --repeats 1 --no-progress --out "$OUT/serve"
+    step profile_serve 100 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/profile_serve.py \
+        --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap" >&2
     exit 2
     ;;
 esac

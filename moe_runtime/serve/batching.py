@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 import torch
 
+from moe_runtime.serve.graph_shapes import ASYNC_ENV, async_batching_requested
 from moe_runtime.serve.sampling import GREEDY, SLOT_KWARG, BatchSampler
 
 log = logging.getLogger("moe_runtime.serve.batching")
@@ -61,9 +62,6 @@ class BatchingChoice:
         return f"{what}: {self.reason}{tail}"
 
 
-ASYNC_ENV = "MOE_RUNTIME_ASYNC_BATCHING"
-
-
 @attrs.frozen
 class OverlapChoice:
     """Whether the host prepares step N+1 while the device runs step N (transformers'
@@ -76,21 +74,9 @@ class OverlapChoice:
         return f"host/device overlap {'on' if self.on else 'off'}: {self.reason}"
 
 
-def async_batching_requested(requested: bool | None = None) -> bool | None:
-    """The engine's ``async_batching``; ``None`` reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``0`` off,
-    ``1`` on, unset: the default, on where it can run)."""
-    if requested is not None:
-        return bool(requested)
-    value = os.environ.get(ASYNC_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ASYNC_ENV}={value!r}: expected 1 (prepare the next step while the "
-                         "current one runs), 0 (one step at a time) or unset (1 on a CUDA "
-                         "device)")
-    return None if value == "" else value == "1"
-
-
 def choose_overlap(device: Any, path: str, requested: bool | None = None) -> OverlapChoice:
-    """Asynchronous batching: on for continuous batching on a CUDA device unless turned off.
+    """Asynchronous batching, for continuous batching on a CUDA device: opt-in (``requested``
+    True, or ``MOE_RUNTIME_ASYNC_BATCHING=1``) until it has been measured on a GPU.
 
     Synchronously, each step's host work (scheduling, the next step's inputs, delivering tokens)
     waits for the step's outputs and leaves the device idle meanwhile: 10.8 of the 27.2 ms of a
@@ -108,6 +94,10 @@ def choose_overlap(device: Any, path: str, requested: bool | None = None) -> Ove
                                     "the device's needs CUDA streams")
     if path != CONTINUOUS:
         return OverlapChoice(False, "the dynamic-cache batcher runs its steps one after another")
+    if wanted is None:
+        return OverlapChoice(False, f"opt-in until measured on a GPU ({ASYNC_ENV}=1 or the "
+                                    "engine's async_batching=True prepares the next step while "
+                                    "the current one runs); each step waits for the one before")
     if wanted is False:
         how = (f"{ASYNC_ENV}=0" if requested is None else "the engine's async_batching=False")
         return OverlapChoice(False, f"turned off by {how}; each step waits for the one before")

@@ -226,8 +226,7 @@ def _check_options(args: argparse.Namespace) -> None:
             "rank (--ep-size 1, the default); `moe-runtime plan CHECKPOINT --ep-size "
             f"{args.ep_size}` shows the plan of {args.ep_size} ranks, and load_model(..., "
             f"ep_size={args.ep_size}) runs it on ranks started by torch.distributed")
-    from moe_runtime.serve.batching import async_batching_requested
-    from moe_runtime.serve.graph_shapes import prefill_graphs_requested
+    from moe_runtime.serve.graph_shapes import async_batching_requested, prefill_graphs_requested
 
     try:  # read again by the engine; checked here, before any weight is read
         prefill_graphs_requested()

@@ -128,11 +128,12 @@ class Engine:
         too, their query tokens padded to geometric buckets
         (:func:`~moe_runtime.serve.graph_shapes.query_bucket`); ``None`` (default) reads
         ``MOE_RUNTIME_GRAPH_PREFILL`` (``1`` on; off when unset). Off, prefill steps run eagerly.
-    :param async_batching: continuous batching on a CUDA device prepares step N+1 (scheduling,
+    :param async_batching: ``True``: continuous batching on a CUDA device prepares step N+1 (scheduling,
         inputs, their copy to the device) while the device runs step N, and delivers step N's
         tokens after launching step N+1 (transformers' asynchronous batching); ``False`` runs
-        one step at a time; ``None`` (default) reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``0`` off,
-        on when unset). Tokens, seeded draws and log-probabilities are the same either way.
+        one step at a time; ``None`` (default) reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``1`` on;
+        off when unset: opt-in until measured on a GPU). Tokens, seeded draws and
+        log-probabilities are the same either way.
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 

@@ -38,6 +38,7 @@ Q_STEP = 8  # query tokens of a varlen step are padded to a multiple of this up 
 SEQLEN_K_FLOOR = 1024  # transformers pads a graphed varlen step's max key length to a power of 2
 CUDNN_ENV = "MOE_RUNTIME_CUDNN_SDPA"
 PREFILL_ENV = "MOE_RUNTIME_GRAPH_PREFILL"
+ASYNC_ENV = "MOE_RUNTIME_ASYNC_BATCHING"
 
 
 def kv_bucket(tokens: int, cap: int, floor: int = KV_FLOOR) -> int:
@@ -116,6 +117,19 @@ def prefill_graphs_requested(requested: bool | None = None) -> bool:
         raise ValueError(f"{PREFILL_ENV}={value!r}: expected 1 (graph prefill steps) or 0/unset "
                          "(prefill steps run eagerly)")
     return value == "1"
+
+
+def async_batching_requested(requested: bool | None = None) -> bool | None:
+    """The engine's ``async_batching``; ``None`` reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``0`` off,
+    ``1`` on, unset: None, the default). Here, not in batching.py, so that the command line checks
+    it before torch is imported."""
+    if requested is not None:
+        return bool(requested)
+    value = os.environ.get(ASYNC_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ASYNC_ENV}={value!r}: expected 1 (prepare the next step while the "
+                         "current one runs on a CUDA device), 0 or unset (one step at a time)")
+    return None if value == "" else value == "1"
 
 
 def graph_this_step(graphed: bool, decode_only: bool, prefill: bool) -> bool:

@@ -29,10 +29,14 @@ def test_graphs_stay_off_on_a_cpu_and_say_why():
     assert on.on and on.max_tokens == 8 and "at most 8 tokens" in on.describe()
 
 
-def test_overlap_is_on_for_continuous_batching_on_cuda_unless_turned_off(monkeypatch):
+def test_overlap_is_opt_in_and_only_for_continuous_batching_on_cuda(monkeypatch):
     monkeypatch.delenv(ASYNC_ENV, raising=False)
-    on = choose_overlap("cuda:0", CONTINUOUS)
+    default = choose_overlap("cuda:0", CONTINUOUS)  # opt-in until measured on a GPU
+    assert not default.on and f"{ASYNC_ENV}=1" in default.describe()
+    on = choose_overlap("cuda:0", CONTINUOUS, requested=True)
     assert on.on and "launched while the current one runs" in on.describe()
+    monkeypatch.setenv(ASYNC_ENV, "1")
+    assert choose_overlap("cuda:0", CONTINUOUS).on
     cpu = choose_overlap("cpu", CONTINUOUS, requested=True)
     assert not cpu.on and "runs on cpu" in cpu.describe()
     assert not choose_overlap("cuda:0", DYNAMIC).on
@@ -272,10 +276,10 @@ def test_gpu_overlapped_steps_give_the_one_at_a_time_tokens_and_logprobs(tmp_pat
     loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
                               progress=False)
     got = {}
-    for overlap in (False, None):
+    for overlap in (False, True):
         engine = Engine(loaded, max_batch_size=8, max_model_len=256, batching="continuous",
                         async_batching=overlap)
-        assert engine.batching.overlap.on is (overlap is None), engine.batching.describe()
+        assert engine.batching.overlap.on is overlap, engine.batching.describe()
         assert engine.batching.graphs.on, engine.batching.describe()
         engine.start()
         try:
@@ -283,13 +287,13 @@ def test_gpu_overlapped_steps_give_the_one_at_a_time_tokens_and_logprobs(tmp_pat
             got[overlap] = (asyncio.run(_greedy_batch(engine, prompts, 20)),
                             asyncio.run(_with_logprobs(engine, prompts, 20)),
                             asyncio.run(_seeded(engine, prompts, 20)))
-            if overlap is None:
+            if overlap:
                 io = engine._manager.batch_processor.inputs_and_outputs
                 assert hasattr(io, "io_pairs"), type(io).__name__
                 assert _captured(engine), "no graph was captured"
         finally:
             engine.shutdown()
-    greedy, logprobs, seeded = got[None]
+    greedy, logprobs, seeded = got[True]
     assert all(len(t) == 20 for t in greedy)
     assert greedy == got[False][0]
     assert all(len(records) == 20 for _, records in logprobs)
