@@ -89,7 +89,9 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     bm = cfg["BLOCK_M"]
     g = cfg["g1"] if kernel == "gemm1" else cfg["g2"]
     bn, bk = g["BLOCK_N"], g["BLOCK_K"]
-    descs = {"a_desc": f"tensordesc<{dt}[{bm}, {bk}]>", "b_desc": f"tensordesc<{dt}[{bn}, {bk}]>"}
+    descs = {"a_desc": f"tensordesc<{dt}[{bm}, {bk}]>", "b_desc": f"tensordesc<{dt}[{bn}, {bk}]>",
+             "a_half_desc": f"tensordesc<{dt}[{max(16, bm // 2)}, {bk}]>", "tiles_ptr": "*i32"}
+    tail = bool(cfg.get("tail_half", False))
     if kernel == "gemm1":
         fn = tma.tma_gemm1_kernel
         sig = {**descs, "inter_ptr": "*" + dt, "ws_ptr": "*fp32", "a_scale_ptr": "*fp32",
@@ -99,14 +101,14 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
                                        "I", "stride_im", "stride_xm")})
         consts = {"WFMT": wfmt, "ACT": 0, "OUT_FP8": wfmt == K.WFMT_FP8, "EXACT": False,
                   "FUSED_GU": bool(cfg.get("fused_gu", True)),
-                  "A_GATHER": bool(cfg.get("a_gather", False))}
+                  "A_GATHER": bool(cfg.get("a_gather", False)), "TAIL": tail}
     else:
         fn = tma.tma_gemm2_kernel
         sig = {**descs, "ws_ptr": "*fp32", "a2_scale_ptr": "*fp32", "topk_w_ptr": "*fp32",
                "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32"}
         sig.update({n: "i32" for n in ("P", "num_m_blocks", "num_progs", "group_m", "H", "I",
                                        "stride_ym")})
-        consts = {"WFMT": wfmt}
+        consts = {"WFMT": wfmt, "TAIL": tail}
     consts.update({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                    "FLATTEN": bool(cfg.get("flatten", True))})
     for name in fn.arg_names:

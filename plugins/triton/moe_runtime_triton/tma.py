@@ -100,6 +100,55 @@ def _used_blocks(bexp_ptr, num_m_blocks, SCAN: tl.constexpr):
     return used
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def tail_tiles_kernel(bexp_ptr, tiles_ptr, num_blocks, SCAN: tl.constexpr):
+    """The tiles of the half-tail layout (``tail_half``): the routing pads each expert's rows
+    to half blocks (``BLOCK_M / 2`` rows); a tile starts at every other half block of an expert
+    (its first, third, ...), so it covers two half blocks (``BLOCK_M`` rows), or one where the
+    expert's last half block has no partner (a half tile: the GEMMs compute ``BLOCK_M / 2`` rows
+    there, not ``BLOCK_M`` rows of which half are padding). ``tiles[t]``: the first half block of
+    tile ``t``, then -1. One program, a scan over the half blocks in chunks of ``SCAN``."""
+    start = tl.zeros((), dtype=tl.int32) - 1  # the current expert's first half block
+    prev = tl.zeros((), dtype=tl.int32) - 2  # the expert of the half block before the chunk
+    count = tl.zeros((), dtype=tl.int32)
+    for c in range(0, num_blocks, SCAN):
+        j = c + tl.arange(0, SCAN)
+        inside = j < num_blocks
+        e = tl.load(bexp_ptr + j, mask=inside, other=-1)
+        before = tl.load(bexp_ptr + j - 1, mask=inside & (j > 0), other=-2)
+        before = tl.where(j == c, prev, before)
+        first = (e != before) & (e >= 0)
+        s = tl.associative_scan(tl.where(first, j, -1), 0, _max_combine)
+        s = tl.maximum(s, start)
+        is_tile = (e >= 0) & ((j - s) % 2 == 0)
+        pos = count + tl.cumsum(is_tile.to(tl.int32), 0) - 1
+        tl.store(tiles_ptr + pos, j, mask=is_tile)
+        count += tl.sum(is_tile.to(tl.int32), axis=0)
+        start = tl.max(s, axis=0)
+        prev = tl.max(tl.where(j == c + SCAN - 1, e, -2), axis=0)
+    for c in range(0, num_blocks, SCAN):
+        j = c + tl.arange(0, SCAN)
+        tl.store(tiles_ptr + j, tl.full((SCAN,), -1, tl.int32), mask=(j >= count) & (j < num_blocks))
+
+
+@triton.jit
+def _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_blocks, TAIL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(expert, first row, half)`` of row tile ``pid_m``: ``BLOCK_M``-row blocks, or with
+    ``TAIL`` the tiles of :func:`tail_tiles_kernel` (``half``: only ``BLOCK_M / 2`` rows)."""
+    if TAIL:
+        blk = tl.load(tiles_ptr + pid_m)
+        e = tl.load(bexp_ptr + blk)
+        nxt = tl.load(bexp_ptr + blk + 1, mask=blk + 1 < num_blocks, other=-1)
+        return e, blk * (BLOCK_M // 2), nxt != e
+    else:
+        return tl.load(bexp_ptr + pid_m), pid_m * BLOCK_M, False
+
+
 @triton.jit(do_not_specialize=["P", "topk"])
 def tma_gather_kernel(x_ptr, sorted_ptr, bexp_ptr, out_ptr, scale_ptr, P, H, topk,
                       stride_xm, stride_om,
@@ -147,117 +196,151 @@ def _a_tile(a_desc, x_ptr, tok, row_valid, row0, k0, H, stride_xm, A_GATHER: tl.
         return a_desc.load([row0, k0])
 
 
+@triton.jit
+def _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, x_ptr, sorted_ptr,
+                e, row0, pid_n, P, topk, H, I, stride_im, stride_xm,
+                WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
+                EXACT: tl.constexpr, FUSED_GU: tl.constexpr, A_GATHER: tl.constexpr,
+                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of GEMM 1: ``BM`` rows from ``row0`` (``a_desc``'s box height), expert ``e``."""
+    OUT_N: tl.constexpr = BLOCK_N // 2 if FUSED_GU else BLOCK_N
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    cols = pid_n * OUT_N + tl.arange(0, OUT_N)
+    tok = tl.zeros((BM,), dtype=tl.int64)
+    row_valid = tl.zeros((BM,), dtype=tl.int1)
+    if A_GATHER:
+        pair = tl.load(sorted_ptr + row0 + tl.arange(0, BM))
+        row_valid = pair < P
+        tok = tl.where(row_valid, pair // topk, 0).to(tl.int64)
+    if FUSED_GU:
+        brow = e * (2 * I) + pid_n * BLOCK_N
+        acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
+                        A_GATHER, BLOCK_K)
+            b = b_desc.load([brow, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if WFMT == 1:
+            wc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            s = tl.load(ws_ptr + e * (2 * I) + wc, mask=wc < 2 * I, other=0.0)
+            acc = acc * (s * tl.load(a_scale_ptr))[None, :]
+        g, u = tl.split(tl.reshape(acc, (BM, OUT_N, 2)))
+    else:
+        brow = e * (2 * I) + pid_n * BLOCK_N
+        g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
+                        A_GATHER, BLOCK_K)
+            bg = b_desc.load([brow, kk * BLOCK_K])
+            bu = b_desc.load([brow + I, kk * BLOCK_K])
+            g = tl.dot(a, bg.T, g)
+            u = tl.dot(a, bu.T, u)
+        if WFMT == 1:
+            a_scale = tl.load(a_scale_ptr)
+            sg = tl.load(ws_ptr + e * (2 * I) + cols, mask=cols < I, other=0.0)
+            su = tl.load(ws_ptr + e * (2 * I) + I + cols, mask=cols < I, other=0.0)
+            g = g * (sg * a_scale)[None, :]
+            u = u * (su * a_scale)[None, :]
+    h = _act(g, u, ACT)
+    rows = row0 + tl.arange(0, BM)
+    i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :]
+    if OUT_FP8:
+        a2 = tl.load(a2_scale_ptr)
+        tl.store(i_ptrs, K._quant_fp8(h, a2, 1.0 / a2, EXACT), mask=(cols < I)[None, :])
+    else:
+        tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=(cols < I)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_m_blocks", "num_progs", "group_m", "P", "topk"])
 def tma_gemm1_kernel(
-    a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
-    x_ptr, sorted_ptr,
+    a_desc, a_half_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
+    tiles_ptr, x_ptr, sorted_ptr,
     num_m_blocks, num_progs, group_m, P, topk, H, I, stride_im, stride_xm,
     WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
-    FUSED_GU: tl.constexpr, A_GATHER: tl.constexpr,
+    FUSED_GU: tl.constexpr, A_GATHER: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
     """``inter[row, n] = act(xs[row] @ w13[e, n]) * (xs[row] @ w13[e, I + n])`` over the used
-    row blocks. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
+    row tiles. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
     columns; otherwise a tile is ``BLOCK_N`` output columns from two B tiles and two dots.
     ``A_GATHER``: the activation rows are read from ``x`` (``[N, H]``, through ``sorted``) instead
-    of the gathered ``a_desc``."""
+    of the gathered ``a_desc``. ``TAIL``: row tiles from ``tiles`` over ``num_m_blocks`` half
+    blocks (:func:`tail_tiles_kernel`), a half tile through ``a_half_desc``; otherwise
+    ``num_m_blocks`` blocks of ``BLOCK_M`` rows."""
     pid = tl.program_id(0)
-    used = _used_blocks(bexp_ptr, num_m_blocks, 1024)
+    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     OUT_N: tl.constexpr = BLOCK_N // 2 if FUSED_GU else BLOCK_N
     num_n = tl.cdiv(I, OUT_N)
     num_tiles = used * num_n
-    k_tiles = tl.cdiv(H, BLOCK_K)
-    if WFMT == 1:
-        a_scale = tl.load(a_scale_ptr)
     for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        e = tl.load(bexp_ptr + pid_m)
-        row0 = pid_m * BLOCK_M
-        cols = pid_n * OUT_N + tl.arange(0, OUT_N)
-        tok = tl.zeros((BLOCK_M,), dtype=tl.int64)
-        row_valid = tl.zeros((BLOCK_M,), dtype=tl.int1)
-        if A_GATHER:
-            pair = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
-            row_valid = pair < P
-            tok = tl.where(row_valid, pair // topk, 0).to(tl.int64)
-        if FUSED_GU:
-            brow = e * (2 * I) + pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k_tiles):
-                a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
-                            A_GATHER, BLOCK_K)
-                b = b_desc.load([brow, kk * BLOCK_K])
-                acc = tl.dot(a, b.T, acc)
-            if WFMT == 1:
-                wc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                s = tl.load(ws_ptr + e * (2 * I) + wc, mask=wc < 2 * I, other=0.0)
-                acc = acc * (s * a_scale)[None, :]
-            g, u = tl.split(tl.reshape(acc, (BLOCK_M, OUT_N, 2)))
+        e, row0, half = _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_m_blocks, TAIL, BLOCK_M)
+        if half:
+            _gemm1_tile(a_half_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr,
+                        x_ptr, sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im,
+                        stride_xm, WFMT, ACT, OUT_FP8, EXACT, FUSED_GU, A_GATHER,
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K)
         else:
-            brow = e * (2 * I) + pid_n * BLOCK_N
-            g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k_tiles):
-                a = _a_tile(a_desc, x_ptr, tok, row_valid, row0, kk * BLOCK_K, H, stride_xm,
-                            A_GATHER, BLOCK_K)
-                bg = b_desc.load([brow, kk * BLOCK_K])
-                bu = b_desc.load([brow + I, kk * BLOCK_K])
-                g = tl.dot(a, bg.T, g)
-                u = tl.dot(a, bu.T, u)
-            if WFMT == 1:
-                sg = tl.load(ws_ptr + e * (2 * I) + cols, mask=cols < I, other=0.0)
-                su = tl.load(ws_ptr + e * (2 * I) + I + cols, mask=cols < I, other=0.0)
-                g = g * (sg * a_scale)[None, :]
-                u = u * (su * a_scale)[None, :]
-        h = _act(g, u, ACT)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :]
-        if OUT_FP8:
-            a2 = tl.load(a2_scale_ptr)
-            tl.store(i_ptrs, K._quant_fp8(h, a2, 1.0 / a2, EXACT), mask=(cols < I)[None, :])
-        else:
-            tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=(cols < I)[None, :])
+            _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr,
+                        x_ptr, sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im,
+                        stride_xm, WFMT, ACT, OUT_FP8, EXACT, FUSED_GU, A_GATHER,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr,
+                e, row0, pid_n, P, H, I, stride_ym,
+                WFMT: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """One tile of GEMM 2: ``BM`` rows from ``row0`` (``a_desc``'s box height), expert ``e``."""
+    k_tiles = tl.cdiv(I, BLOCK_K)
+    brow = e * H + pid_n * BLOCK_N
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_tiles):
+        a = a_desc.load([row0, kk * BLOCK_K])
+        b = b_desc.load([brow, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < H
+    if WFMT == 1:
+        s = tl.load(ws_ptr + e * H + cols, mask=cmask, other=0.0)
+        acc = acc * (s * tl.load(a2_scale_ptr))[None, :]
+    rows = row0 + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["P", "num_m_blocks", "num_progs", "group_m"])
 def tma_gemm2_kernel(
-    a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
-    P, num_m_blocks, num_progs, group_m, H, I, stride_ym,
-    WFMT: tl.constexpr,
+    a_desc, a_half_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
+    tiles_ptr, P, num_m_blocks, num_progs, group_m, H, I, stride_ym,
+    WFMT: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
-    """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used blocks."""
+    """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used tiles
+    (``TAIL``: as in :func:`tma_gemm1_kernel`)."""
     pid = tl.program_id(0)
-    used = _used_blocks(bexp_ptr, num_m_blocks, 1024)
+    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     num_n = tl.cdiv(H, BLOCK_N)
     num_tiles = used * num_n
-    k_tiles = tl.cdiv(I, BLOCK_K)
-    if WFMT == 1:
-        a2 = tl.load(a2_scale_ptr)
     for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        e = tl.load(bexp_ptr + pid_m)
-        row0 = pid_m * BLOCK_M
-        brow = e * H + pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k_tiles):
-            a = a_desc.load([row0, kk * BLOCK_K])
-            b = b_desc.load([brow, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < H
-        if WFMT == 1:
-            s = tl.load(ws_ptr + e * H + cols, mask=cmask, other=0.0)
-            acc = acc * (s * a2)[None, :]
-        rows = row0 + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + rows)
-        valid = pair < P
-        rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * rw[:, None]
-        y_ptrs = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_ym + cols[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+        e, row0, half = _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_m_blocks, TAIL, BLOCK_M)
+        if half:
+            _gemm2_tile(a_half_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
+                        sorted_ptr, e, row0, pid_n, P, H, I, stride_ym, WFMT, BLOCK_M // 2,
+                        BLOCK_N, BLOCK_K)
+        else:
+            _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
+                        sorted_ptr, e, row0, pid_n, P, H, I, stride_ym, WFMT, BLOCK_M,
+                        BLOCK_N, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +376,8 @@ def default_config(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> dict:
 def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list[dict]:
     """A small sweep for the benchmark: the default first, then what each knob buys (block
     height, warps, stages, tile widths, the activation gathered in the loop instead of once,
-    tile grouping, loop flattening, one tile per program instead of persistent programs)."""
+    tile grouping, loop flattening, one tile per program instead of persistent programs, half
+    tiles at each expert's tail)."""
     base = default_config(pw, n_tokens, topk)
     fp8 = pw.wfmt == K.WFMT_FP8
     bk = 128 if fp8 else 64
@@ -325,6 +409,10 @@ def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list
         out.append({**m128, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(128, bk, 0, 8, 4)})
     else:
         out.append({**m64, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(256, bk, 0, 8, 4)})
+    # each expert's last tile of half height where its rows leave half a tile or less: the
+    # padding of 64-row blocks with 128-row tiles elsewhere, or of 32-row blocks
+    out += [{**m128, "tail_half": True}, {**m128, "tail_half": True, "a_gather": True},
+            {**m64, "tail_half": True}]
     return out
 
 
@@ -338,6 +426,7 @@ def describe(cfg: dict) -> str:
             f"{grp(g2)} w{g2['num_warps']} s{g2['num_stages']}]"
             + (" gu" if cfg.get("fused_gu", True) else " 2dot")
             + (" a-gather" if cfg.get("a_gather") else "")
+            + (" tail/2" if cfg.get("tail_half") else "")
             + (f" P{cfg['programs'] or 'tiles'}" if "programs" in cfg else "")
             + (f" x{cfg['programs_per_sm']}/SM" if cfg.get("programs_per_sm", 1) != 1 else "")
             + ("" if cfg.get("flatten", True) else " noflat"))
@@ -403,12 +492,22 @@ def fused_moe_tma(
     topk_weights = topk_weights.contiguous()
     dev = hidden.device
     bm = cfg["BLOCK_M"]
+    tail = bool(cfg.get("tail_half", False))
+    if tail and (bm % 32 or bm < 32):
+        raise ValueError(f"tail_half needs BLOCK_M a multiple of 32 (half tiles of at least 16 "
+                         f"rows), got {bm}")
+    gran = bm // 2 if tail else bm  # rows each expert is padded to
     P = N * topk
-    R = ops.max_sorted_rows(P, E, bm)
-    num_m_blocks = R // bm
+    R = ops.max_sorted_rows(P, E, gran)
+    num_m_blocks = R // gran
     sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
     bexp = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
-    go("route", lambda: ops.route_into(topk_ids, E, bm, sorted_ids, bexp))
+    go("route", lambda: ops.route_into(topk_ids, E, gran, sorted_ids, bexp))
+    tiles = bexp
+    if tail:
+        tiles = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
+        go("tiles", lambda: tail_tiles_kernel[(1,)](bexp, tiles, num_m_blocks, SCAN=1024,
+                                                    num_warps=4))
 
     fp8 = pw.wfmt == K.WFMT_FP8
     if fp8:
@@ -432,49 +531,52 @@ def fused_moe_tma(
             go("quant_fp8", lambda: K.quant_fp8_kernel[(triton.cdiv(hidden.numel(), blk),)](
                 hidden, x, a_scale, hidden.numel(), BLOCK=blk, EXACT=ops.EXACT_FP8,
                 num_warps=8))
-        # a descriptor of the right type for the unused TMA operand
+        # descriptors of the right type for the unused TMA operands
         a1 = TensorDescriptor.from_tensor(tw.w13, [bm, g1["BLOCK_K"]])
+        a1h = TensorDescriptor.from_tensor(tw.w13, [max(16, bm // 2), g1["BLOCK_K"]])
     else:
         x = hidden
         xs = torch.empty((R, H), dtype=a_dtype, device=dev)
-        rows_g = min(bm, 16)
         bh = min(1024, max(16, ops._p2(H)))
+        rows_g = min(gran, 16)
         go("gather", lambda: tma_gather_kernel[(R // rows_g, triton.cdiv(H, bh))](
             hidden, sorted_ids, bexp, xs, a_scale if quant else dummy, P, H, topk,
             hidden.stride(0), xs.stride(0),
-            QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=bm, ROWS=rows_g, BLOCK_H=bh,
+            QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=gran, ROWS=rows_g, BLOCK_H=bh,
             num_warps=4))
         a1 = TensorDescriptor.from_tensor(xs, [bm, g1["BLOCK_K"]])
+        a1h = TensorDescriptor.from_tensor(xs, [max(16, bm // 2), g1["BLOCK_K"]])
 
     inter = torch.empty((R, I), dtype=inter_dtype, device=dev)
     nprog = _num_programs(dev, cfg)
     flatten = bool(cfg.get("flatten", True))
     b1 = TensorDescriptor.from_tensor(tw.w13, [g1["BLOCK_N"], g1["BLOCK_K"]])
     out_n1 = g1["BLOCK_N"] // 2 if tw.fused_gu else g1["BLOCK_N"]
-    max_tiles1 = num_m_blocks * triton.cdiv(I, out_n1)
+    max_tiles1 = num_m_blocks * triton.cdiv(I, out_n1)  # (half blocks with tail: a bound)
     grid1 = max(1, min(nprog, max_tiles1))
     group1 = _group_m(g1, grid1, triton.cdiv(I, out_n1))
     go("gemm1", lambda: tma_gemm1_kernel[(grid1,)](
-        a1, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
-        pw.a2_scale if fp8 else dummy, bexp, x, sorted_ids,
+        a1, a1h, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
+        pw.a2_scale if fp8 else dummy, bexp, tiles, x, sorted_ids,
         num_m_blocks, grid1, group1, P, topk, H, I, inter.stride(0), x.stride(0),
         WFMT=pw.wfmt, ACT=ops._ACT[pw.activation], OUT_FP8=fp8, EXACT=ops.EXACT_FP8,
-        FUSED_GU=tw.fused_gu, A_GATHER=a_gather, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"],
+        FUSED_GU=tw.fused_gu, A_GATHER=a_gather, TAIL=tail, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"],
         BLOCK_K=g1["BLOCK_K"], FLATTEN=flatten,
         **_launch_opts(g1)))
 
     y = torch.empty((P, H), dtype=out_dtype, device=dev)
     g2 = cfg["g2"]
     a2d = TensorDescriptor.from_tensor(inter, [bm, g2["BLOCK_K"]])
+    a2h = TensorDescriptor.from_tensor(inter, [max(16, bm // 2), g2["BLOCK_K"]])
     b2d = TensorDescriptor.from_tensor(tw.w2, [g2["BLOCK_N"], g2["BLOCK_K"]])
     max_tiles2 = num_m_blocks * triton.cdiv(H, g2["BLOCK_N"])
     grid2 = max(1, min(nprog, max_tiles2))
     group2 = _group_m(g2, grid2, triton.cdiv(H, g2["BLOCK_N"]))
     go("gemm2", lambda: tma_gemm2_kernel[(grid2,)](
-        a2d, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
-        topk_weights, y, sorted_ids, bexp,
+        a2d, a2h, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
+        topk_weights, y, sorted_ids, bexp, tiles,
         P, num_m_blocks, grid2, group2, H, I, y.stride(0),
-        WFMT=pw.wfmt, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
+        WFMT=pw.wfmt, TAIL=tail, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
         FLATTEN=flatten,
         **_launch_opts(g2)))
 
