@@ -107,12 +107,13 @@ def choose_overlap(device: Any, path: str, requested: bool | None = None) -> Ove
 
 @attrs.frozen
 class GraphChoice:
-    """Whether the decode steps (and, opted in, the prefill steps) replay CUDA graphs, and why.
+    """Whether the decode steps (and, by default, the prefill steps) replay CUDA graphs, and why.
 
     :param max_tokens: the largest decode forward a graph captures (one token per request,
         padded; at most this).
     :param prefill: whether steps carrying prefill tokens replay graphs too
-        (``MOE_RUNTIME_GRAPH_PREFILL=1`` or the engine's ``graph_prefill=True``).
+        (the default with graphs on; ``MOE_RUNTIME_GRAPH_PREFILL=0`` or the engine's
+        ``graph_prefill=False`` turns it off, or a failed capture at warm-up).
     :param max_graphs: the most varlen graphs prefill graphing may capture (see
         :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`), when ``prefill``.
     """
@@ -154,14 +155,17 @@ def plan_token_bound(plan: Any) -> tuple[int | None, str]:
 
 def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                        requested: bool | None = None, prefill: dict | None = None,
-                       prefill_eager_because: str = "MOE_RUNTIME_GRAPH_PREFILL=1 graphs it",
+                       prefill_eager_because: str = "turned off by MOE_RUNTIME_GRAPH_PREFILL=0 "
+                                                    "or the engine's graph_prefill=False",
                        blockers: tuple[str, ...] = ()) -> GraphChoice:
     """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
     is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures.
 
     ``prefill`` (a :func:`~moe_runtime.serve.graph_shapes.prefill_graph_bound`, given when prefill
-    graphing is asked for) makes steps with prefill tokens replay graphs too, within its bound;
-    without it, ``prefill_eager_because`` says why they run eagerly. ``blockers``: experts
+    graphing is on: the default, unless ``MOE_RUNTIME_GRAPH_PREFILL=0`` or the engine's
+    ``graph_prefill=False``) makes steps with prefill tokens replay graphs too, within its bound;
+    without it, ``prefill_eager_because`` says why they run eagerly (by default: turned off; the
+    engine passes the capture failure when warm-up sent them back to eager). ``blockers``: experts
     backends of the plan that do not declare ``cuda_graphs=True``; any turns graphs off.
     """
     import torch
@@ -186,7 +190,8 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                            max_tokens)
     q, kv, keys = prefill["query"], prefill["kv"], prefill["seqlen_k"]
     return GraphChoice(True, f"{decode}; prefill and mixed steps graphed too "
-                             f"(MOE_RUNTIME_GRAPH_PREFILL=1): query tokens padded to multiples of "
+                             f"(MOE_RUNTIME_GRAPH_PREFILL=0 makes them eager): query tokens padded "
+                             f"to multiples of "
                              f"8 up to {max_tokens}, then powers of two up to {q[-1]}, at most "
                              f"{prefill['graphs']} varlen graphs ({len(q)} query x {len(kv)} KV-read "
                              f"x {len(keys)} key-length sizes)",

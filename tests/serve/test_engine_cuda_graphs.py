@@ -132,9 +132,11 @@ def test_gpu_graph_replayed_decode_gives_the_eager_greedy_tokens(tmp_path):
                               progress=False)
     tokens = {}
     for graphs in (False, None):
+        # prefill graphed is the default: off here, so that only decode shapes are captured
         engine = Engine(loaded, max_batch_size=8, max_model_len=256, cuda_graphs=graphs,
-                        batching="continuous")
+                        batching="continuous", graph_prefill=False)
         assert engine.batching.graphs.on is (graphs is None), engine.batching.describe()
+        assert not engine.batching.graphs.prefill, engine.batching.describe()
         engine.start()
         try:
             prompts = [engine.encode_prompt(f"request {i}: once upon a time") for i in range(6)]
@@ -203,7 +205,8 @@ def test_gpu_graph_replayed_decode_honours_stop_tokens_and_min_tokens(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
                                                             "captured only there)")
 def test_gpu_graph_replayed_prefill_gives_the_eager_greedy_tokens(tmp_path):
-    """MOE_RUNTIME_GRAPH_PREFILL's path: prompts of mixed lengths, prefilled in graphed steps
+    """Graphed prefill (the default; MOE_RUNTIME_GRAPH_PREFILL=0 turns it off), asked for
+    explicitly here: prompts of mixed lengths, prefilled in graphed steps
     (query tokens padded to buckets), give eager's greedy float32 tokens; a second identical
     batch replays the graphs the first captured."""
     from moe_runtime.serve.engine import Engine
@@ -247,10 +250,20 @@ def test_prefill_graphing_is_read_from_the_environment(model_dir, monkeypatch):
     monkeypatch.setenv(PREFILL_ENV, "on")
     with pytest.raises(ValueError, match=PREFILL_ENV):
         Engine(loaded, max_batch_size=4)
-    monkeypatch.setenv(PREFILL_ENV, "1")
-    engine = Engine(loaded, max_batch_size=4)  # on a CPU nothing is graphed, prefill or not
-    assert not engine.batching.graphs.on and not engine.batching.graphs.prefill
+    # unset (prefill graphed by default) and 1 alike: on a CPU nothing is graphed, prefill or not,
+    # and the reason given is the device, not the variable
+    for value in (None, "1", "0"):
+        if value is None:
+            monkeypatch.delenv(PREFILL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PREFILL_ENV, value)
+        graphs = Engine(loaded, max_batch_size=4).batching.graphs
+        assert not graphs.on and not graphs.prefill and graphs.max_graphs is None
+        assert graphs.describe() == ("CUDA graphs off: the model runs on cpu; CUDA graphs need a "
+                                     "CUDA device"), graphs.describe()
     assert Engine(loaded, max_batch_size=4, graph_prefill=False).batching.graphs.prefill is False
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert Engine(loaded, max_batch_size=4, graph_prefill=True).batching.graphs.prefill is False
 
 
 async def _with_logprobs(engine, prompts, max_tokens):

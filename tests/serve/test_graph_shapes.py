@@ -127,30 +127,36 @@ def test_prefill_graph_bound_is_the_product_of_the_sizes():
     assert wide["graphs"] == len(wide["query"]) * len(wide["kv"]) * len(wide["seqlen_k"]) == 429
 
 
-def test_prefill_graphs_are_opt_in(monkeypatch):
+def test_prefill_graphs_are_on_by_default_and_0_turns_them_off(monkeypatch):
     monkeypatch.delenv(PREFILL_ENV, raising=False)
-    assert prefill_graphs_requested() is False
-    assert prefill_graphs_requested(True) is True
-    monkeypatch.setenv(PREFILL_ENV, "1")
     assert prefill_graphs_requested() is True
     assert prefill_graphs_requested(False) is False  # the engine's keyword wins
+    monkeypatch.setenv(PREFILL_ENV, "")
+    assert prefill_graphs_requested() is True
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    assert prefill_graphs_requested() is True
+    assert prefill_graphs_requested(False) is False
     monkeypatch.setenv(PREFILL_ENV, "0")
     assert prefill_graphs_requested() is False
-    monkeypatch.setenv(PREFILL_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{PREFILL_ENV}='yes': expected 1"):
-        prefill_graphs_requested()
+    assert prefill_graphs_requested(True) is True  # the engine's keyword wins
+    for bad in ("yes", "on", "2"):
+        monkeypatch.setenv(PREFILL_ENV, bad)
+        with pytest.raises(ValueError, match=f"{PREFILL_ENV}='{bad}': expected 1 or unset "
+                                             r"\(graph prefill steps, the default\) or 0"):
+            prefill_graphs_requested()
 
 
 def test_the_graph_choice_says_whether_prefill_is_graphed():
     off = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size")
     assert not off.prefill and off.max_graphs is None
-    assert "; prefill eager (MOE_RUNTIME_GRAPH_PREFILL=1 graphs it)" in off.describe()
+    assert ("; prefill eager (turned off by MOE_RUNTIME_GRAPH_PREFILL=0 or the engine's "
+            "graph_prefill=False)") in off.describe()
     bound = prefill_graph_bound(2048, 16, 16 * 640, 640)
     on = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size", prefill=bound)
     assert on.on and on.prefill and on.max_graphs == 63 and on.max_tokens == 16
-    assert ("prefill and mixed steps graphed too (MOE_RUNTIME_GRAPH_PREFILL=1): query tokens "
-            "padded to multiples of 8 up to 16, then powers of two up to 2048, at most 63 varlen "
-            "graphs (9 query x 7 KV-read x 1 key-length sizes)") in on.describe()
+    assert ("prefill and mixed steps graphed too (MOE_RUNTIME_GRAPH_PREFILL=0 makes them eager): "
+            "query tokens padded to multiples of 8 up to 16, then powers of two up to 2048, at "
+            "most 63 varlen graphs (9 query x 7 KV-read x 1 key-length sizes)") in on.describe()
     fell_back = choose_cuda_graphs("cuda:0", CONTINUOUS, 16, "max_batch_size",
                                    prefill_eager_because="its capture failed at warm-up: X")
     assert fell_back.on and not fell_back.prefill
