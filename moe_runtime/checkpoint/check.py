@@ -720,7 +720,8 @@ class _Check:
             self._dense_present(prefix)
         # served families have one decoder-layer kind per MoE-ness (no hybrid attention)
         if tensors_ok and arch.served:
-            self._layers_alike(prefix, {s.index for s in structures})
+            self._layers_alike(prefix, {s.index for s in structures}, arch.block,
+                               arch.expert_names)
         for layer in layers:
             self._experts(layer)
         self._embeddings()
@@ -814,13 +815,17 @@ class _Check:
                                                               ", and lm_head.weight (the "
                                                               "embeddings are not tied)"))
 
-    def _layers_alike(self, prefix: str, moe_layers: set[int]) -> None:
-        """Decoder layers of one kind (MoE, or dense) store the same module weights and biases:
-        a ``.weight`` or ``.bias`` the others of its kind hold is missing from a layer (expert
-        tensors are checked expert by expert; scales differ legitimately between layers of a
-        mixed-precision export, so only weights and biases are compared)."""
+    def _layers_alike(self, prefix: str, moe_layers: set[int], block: str,
+                      mlp_names: tuple[str, str, str]) -> None:
+        """Decoder layers store the same module weights and biases: outside the MLP block
+        (``block``: attention and the rest) every layer holds what the others hold; inside it,
+        the layers of its kind (MoE, or dense) do, and a dense layer holds at least its
+        ``block.{gate, up, down}.weight`` (``mlp_names``), so that a kind of one layer (DeepSeek-V3's
+        first dense layer) is checked too. Expert tensors are checked expert by expert; scales
+        differ legitimately between layers of a mixed-precision export, so only weights and
+        biases are compared."""
         declared = self._model_fields().get("num_hidden_layers")
-        if not isinstance(declared, int) or declared < 2:
+        if not isinstance(declared, int) or declared < 1:
             return
         pattern = re.compile(rf"^{re.escape(prefix)}layers\.(\d+)\.(.+\.(?:weight|bias))$")
         expert = re.compile(r"(?:^|\.)experts\.\d+\.")
@@ -830,18 +835,26 @@ class _Check:
             if (m and int(m.group(1)) < declared and not expert.search(m.group(2))
                     and m.group(2) not in self.DENSE_PER_LAYER):  # those: _dense_present
                 held[int(m.group(1))].add(m.group(2))
+        inside = block + "."
+        layers = list(range(min(declared, MAX_LAYERS)))
+        dense_mlp = {f"{inside}{n}.weight" for n in mlp_names}
         missing: list[str] = []
         kinds = []
-        layers = range(min(declared, MAX_LAYERS))
-        for kind, group in (("MoE", [i for i in layers if i in moe_layers]),
-                            ("dense", [i for i in layers if i not in moe_layers])):
-            if len(group) < 2:
+        for kind, group, part, needed in (
+                ("decoder layers", layers, lambda t: not t.startswith(inside), set()),
+                ("MoE decoder layers", [i for i in layers if i in moe_layers],
+                 lambda t: t.startswith(inside), set()),
+                ("dense decoder layers", [i for i in layers if i not in moe_layers],
+                 lambda t: t.startswith(inside), dense_mlp)):
+            if not group or (len(group) < 2 and not needed):
                 continue
-            union = set().union(*(held[i] for i in group))
-            found = [f"{prefix}layers.{i}.{s}" for i in group for s in sorted(union - held[i])]
+            union = {t for i in group for t in held[i] if part(t)} | needed
+            found = [f"{prefix}layers.{i}.{t}" for i in group for t in sorted(union - held[i])]
             if found:
                 missing += found
-                kinds.append(f"the other {kind} decoder layers")
+                kinds.append(f"the other {kind}" if not needed or len(group) > 1 else
+                             f"a dense decoder layer's MLP ({inside}{{{', '.join(mlp_names)}}}"
+                             ".weight)")
         if missing:
             shown = ", ".join(repr(n) for n in missing[:4]) + (
                 f" and {len(missing) - 4} more" if len(missing) > 4 else "")
