@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence

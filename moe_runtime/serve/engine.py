@@ -625,15 +625,29 @@ def _collect_with_outputs(io, sampler: BatchSampler) -> None:
     """Record a step's log-probabilities when its outputs reach the host: ``io``'s
     ``prepare_batch_update`` (every step's update calls it once, in step order, after the step's
     device-to-host copy; synchronous and asynchronous batching alike) collects from the sampler
-    before the tokens are delivered."""
+    before the tokens are delivered. Rows whose token the update will drop (asynchronous
+    batching: a request finished or offloaded while the step was in flight, the states
+    transformers' ``update_batch`` skips) are collected as skipped. ``io.reset`` (a restarted
+    batching loop) forgets the sampler's uncollected steps."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    dropped = (RequestStatus.FINISHED, RequestStatus.PENDING)
     prepare = io.prepare_batch_update
 
     def prepare_batch_update(*args, **kwargs):
         update = prepare(*args, **kwargs)
-        sampler.collect()
+        rows = [fs for fs in update[0] if fs.has_new_token]
+        sampler.collect(skipped={i for i, fs in enumerate(rows) if fs.state.status in dropped})
         return update
 
     io.prepare_batch_update = prepare_batch_update
+    reset = getattr(io, "reset", None)
+    if callable(reset):
+        def reset_and_forget(*args, **kwargs):
+            sampler.forget_steps()
+            return reset(*args, **kwargs)
+
+        io.reset = reset_and_forget
 
 
 def _host_io(io):

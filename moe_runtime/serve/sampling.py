@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 import torch
@@ -192,7 +192,7 @@ _PROMPT_BIT = 1 << 30  # counts: generated-token count in the low bits, this bit
 
 
 class _Slot:
-    __slots__ = ("params", "seed", "prompt", "records", "row")
+    __slots__ = ("params", "seed", "prompt", "records", "row", "released")
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int]) -> None:
         self.params = params
@@ -201,6 +201,7 @@ class _Slot:
         self.prompt = tuple(prompt) if params.repetition_penalty != 1.0 else ()
         self.records: list[TokenLogprob] = []
         self.row: int | None = None
+        self.released = False  # released or closed: its row may already serve another request
 
 
 class BatchSampler:
@@ -256,7 +257,8 @@ class BatchSampler:
         self._lock = threading.Lock()
         self._next = 0
         # steps sampled and not collected yet, oldest first: (their slots (None: a greedy row),
-        # their log-probability buffer); at most one unless pipeline() allows two
+        # their log-probability buffer, whether they counted tokens for penalties); at most one
+        # unless pipeline() allows two
         self._pending: collections.deque = collections.deque(maxlen=1)
         self._issued = 0
         # the stream the steps compute on, where row assignments are written (None: the
@@ -305,6 +307,7 @@ class BatchSampler:
         with self._lock:
             slot = self._slots.pop(key, None)
             if slot is not None:
+                slot.released = True
                 self._closed.append(slot)
             freed = key in self._holding
             self._holding.discard(key)
@@ -322,6 +325,7 @@ class BatchSampler:
             slot = self._slots.get(key)
             freed = key in self._holding
             if slot is not None and freed:
+                slot.released = True
                 self._closed.append(slot)
             self._holding.discard(key)
         if freed:
@@ -376,13 +380,20 @@ class BatchSampler:
             with (torch.cuda.stream(self.stream) if self.stream is not None
                   else contextlib.nullcontext()):
                 self._assign(fresh)
-        self._pending.append((slots, self._issued % _BUFFERS))
-        self._issued += 1
-        if self.on_step is not None and keys:
-            self.on_step(len(keys))
+        if len(self._pending) == self._pending.maxlen and self._pending.maxlen > 1:
+            # a step was prepared twice without its outputs being collected: its log-probability
+            # records are lost (never seen; warm-up steps are forgotten before serving)
+            log.error("sampler: a step's log-probabilities were never collected; dropped")
         live = [s.params for s in slots if s is not None]
         self._flags = (any(not p.greedy for p in live), any(p.penalized for p in live),
                        any(p.logprobs is not None for p in live), any(p.bans for p in live))
+        # one step at a time: always buffer 0 (the buffer a step writes then does not depend on
+        # the argument row reaching the device before the step runs)
+        self._pending.append((slots, self._issued % self._pending.maxlen,
+                              self.static or self._flags[1]))
+        self._issued += 1
+        if self.on_step is not None and keys:
+            self.on_step(len(keys))
         return torch.tensor([s.row if s is not None else 0 for s in slots], dtype=torch.int32)
 
     def _assign(self, fresh: list[_Slot]) -> None:
@@ -409,16 +420,19 @@ class BatchSampler:
         # host tensors made here and not kept: copied without a stream sync (the preparing
         # thread must not wait for the step in flight)
         dev = {"device": self.device, "non_blocking": True}
-        dev_rows = rows.to(**dev)
-        self._fparams.index_copy_(0, dev_rows, torch.tensor(fvals).to(**dev))
-        self._iparams.index_copy_(0, dev_rows, torch.tensor(ivals, dtype=torch.int64).to(**dev))
-        self._bans.index_copy_(0, dev_rows, bans.to(**dev))
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return _pinned(t, self.device).to(**dev)
+        dev_rows = put(rows)
+        self._fparams.index_copy_(0, dev_rows, put(torch.tensor(fvals)))
+        self._iparams.index_copy_(0, dev_rows, put(torch.tensor(ivals, dtype=torch.int64)))
+        self._bans.index_copy_(0, dev_rows, put(bans))
         self._counts.index_fill_(0, dev_rows, 0)
         for s in fresh:
             ids = [t for t in s.prompt if 0 <= t < self.vocab_size]
             if ids:
                 self._counts[s.row].index_fill_(
-                    0, torch.tensor(ids, dtype=torch.int64).to(**dev), _PROMPT_BIT)
+                    0, put(torch.tensor(ids, dtype=torch.int64)), _PROMPT_BIT)
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor,
                buffer: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -483,19 +497,45 @@ class BatchSampler:
         ascending, order = _filter(x, fp, ip)
         return torch.empty_like(ascending).scatter_(1, order, ascending)
 
-    def collect(self) -> None:
+    def _undo(self, rows: list[int], tokens: list[int], counted: bool) -> None:
+        """Take one sampled step back from ``rows`` (their tokens ``tokens``), on the compute
+        stream, before their next step there."""
+        dev = {"device": self.device, "non_blocking": True}
+        r = _pinned(torch.tensor(rows, dtype=torch.int64), self.device).to(**dev)
+        with (torch.cuda.stream(self.stream) if self.stream is not None
+              else contextlib.nullcontext()):
+            self._iparams.index_put_((r, torch.full_like(r, _POS)), -torch.ones_like(r),
+                                     accumulate=True)
+            if counted:
+                t = _pinned(torch.tensor(tokens, dtype=torch.int64), self.device).to(**dev)
+                self._counts.index_put_((r, t), -torch.ones_like(t, dtype=torch.int32),
+                                        accumulate=True)
+
+    def collect(self, skipped: Collection[int] = ()) -> None:
         """After the host has the oldest uncollected step's tokens (its computation is done):
         record log-probabilities for the rows of that step that asked for them (one
-        device-to-host copy, only then)."""
+        device-to-host copy, only then).
+
+        ``skipped``: rows of the step whose token the batcher drops (with asynchronous batching,
+        a request offloaded or finished while the step was in flight): they get no record, and
+        a request that keeps its row has the step undone (its position, and its token's count for
+        the penalties), so it goes on as if the step had not run.
+        """
         if not self._pending:
             return
-        step, buf = self._pending.popleft()
+        step, buf, counted = self._pending.popleft()
+        undo = [(i, s) for i, s in enumerate(step)
+                if i in skipped and s is not None and not s.released and s.row is not None]
         wanted = [(i, s) for i, s in enumerate(step)
-                  if s is not None and s.params.logprobs is not None]
-        if not wanted:
+                  if s is not None and s.params.logprobs is not None and i not in skipped]
+        if not wanted and not undo:
             return
         n = len(step)
         tokens = self._tokens[buf, :n].tolist()
+        if undo:
+            self._undo([s.row for _, s in undo], [tokens[i] for i, _ in undo], counted)
+        if not wanted:
+            return
         chosen = self._lp_chosen[buf, :n].tolist()
         values = self._lp_values[buf, :n].tolist()
         ids = self._lp_ids[buf, :n].tolist()
@@ -504,6 +544,12 @@ class BatchSampler:
                 top = min(s.params.logprobs, self.vocab_size)
                 s.records.append(TokenLogprob(tokens[i], chosen[i],
                                               tuple(zip(ids[i][:top], values[i][:top]))))
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor made for one copy) in page-locked memory where it goes to a CUDA
+    device, so that a non-blocking copy does not wait for the stream's work."""
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _ban(x: torch.Tensor, ip: torch.Tensor, bans: torch.Tensor) -> torch.Tensor:

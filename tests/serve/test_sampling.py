@@ -352,24 +352,84 @@ def test_a_pipelined_step_collected_late_reads_its_own_buffer_not_the_next_ones(
 
 
 def test_a_row_reused_while_its_last_step_is_in_flight_starts_the_new_request_afresh():
-    # asynchronous batching samples a finished request once more (step N+1 was launched before
-    # step N's token said it finished); its row, released after step N is collected, goes to a
-    # new request whose draws must be those it makes alone
+    # asynchronous batching, transformers 5.17's order: step N+1 is prepared and launched
+    # before step N is collected; a request that finished in step 0 is computed once more in
+    # step 1 (that token dropped: collected as skipped); its row, released when step 0's
+    # tokens are delivered, goes to a new request prepared in step 2, before step 1 is
+    # collected. The new request's draws must be those it makes alone: the skipped step of
+    # the finished request must not be undone on the row it no longer holds.
+    params = SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.2)
     logits = _logits(8, rows=1, seed=9)
-    alone = _run_alone(SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.2),
-                       logits[3:])
+    alone = _run_alone(params, logits[2:])
     s = BatchSampler(V, max_slots=1, max_batch=1)
     s.pipeline(2)
     first = s.open(SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.2))
-    s.sample(logits[0], s.rows_for([first]))
-    s.sample(logits[1], s.rows_for([first]))  # launched before step 0 is collected
-    s.collect()
-    s.release(first)  # step 0 said it finished: step 1's token is thrown away
-    second = s.open(SamplingParams(temperature=1.0, seed=77, repetition_penalty=1.2))
-    assert second is not None
-    s.collect()
-    got = [s.sample(step, s.rows_for([second])).item() for step in logits[3:]]
+    s.sample(logits[0], s.rows_for([first]))  # step 0
+    s.sample(logits[1], s.rows_for([first]))  # step 1, launched before step 0 is collected
+    s.collect()  # step 0: the request finished
+    s.release(first)
+    second = s.open(params)
+    got = [s.sample(logits[2], s.rows_for([second])).item()]  # step 2 takes the row
+    s.collect(skipped={0})  # step 1: the finished request's extra token, dropped
+    for step in logits[3:]:
+        got.append(s.sample(step, s.rows_for([second])).item())
+        s.collect()
     assert got == alone
+
+
+def test_a_step_dropped_for_a_request_that_keeps_its_row_is_undone():
+    # asynchronous batching: a request offloaded while its step was in flight keeps its slot
+    # and row, but the batcher drops that step's token; its position (the seed's counter),
+    # token counts (penalties) and records must be as if the step never ran
+    params = SamplingParams(temperature=1.0, seed=5, repetition_penalty=1.5,
+                            frequency_penalty=0.7, logprobs=2)
+    logits = _logits(5, rows=1, seed=13)
+    kept = [0, 2, 3, 4]  # step 1 is dropped
+    ref = BatchSampler(V, max_slots=2, max_batch=2)
+    key = ref.open(params)
+    expected = [_step(ref, [key], logits[n])[0] for n in kept]
+    s = BatchSampler(V, max_slots=2, max_batch=2)
+    s.pipeline(2)
+    key = s.open(params)
+    got = [s.sample(logits[0], s.rows_for([key])).item()]
+    s.sample(logits[1], s.rows_for([key]))
+    s.collect()  # step 0
+    s.collect(skipped={0})  # step 1: dropped
+    for n in kept[1:]:
+        got.append(s.sample(logits[n], s.rows_for([key])).item())
+        s.collect()
+    assert got == expected
+    assert [r.token for r in s.records(key)] == expected == [r.token for r in ref.records(key)]
+
+
+def test_the_log_probability_buffer_comes_from_the_step_arguments():
+    # a replayed CUDA graph reads its buffer from the step's argument row, not from the
+    # sampler's host state at capture: two steps prepared, then computed in turn
+    s = BatchSampler(V, max_slots=2, max_batch=2)
+    s.pipeline(2)
+    procs = processor_list(s)
+    key = s.open(SamplingParams(temperature=0.0, logprobs=1))
+    storages = [torch.zeros((procs.tensors_required, 2), dtype=torch.int32) for _ in range(2)]
+    steps = _logits(2, rows=1, seed=17)
+    for storage in storages:
+        procs.prepare_tensor_args([_Req(key)], storage)
+    assert storages[0][1, 0] != storages[1][1, 0]
+    tokens = [procs(None, step.clone(), storage[:, :1]).argmax(-1).item()
+              for step, storage in zip(steps, storages, strict=True)]
+    s.collect()
+    s.collect()
+    records = s.records(key)
+    assert [r.token for r in records] == tokens
+    for r, step in zip(records, steps, strict=True):
+        assert r.logprob == pytest.approx(float(step[0].log_softmax(-1)[r.token]), abs=1e-5)
+
+
+def test_one_step_at_a_time_writes_one_buffer():
+    s = BatchSampler(V, max_slots=1, max_batch=1)
+    for _ in range(3):
+        s.rows_for([GREEDY])
+        assert s.newest_buffer == 0
+        s.collect()
 
 
 def test_pipeline_depth_is_one_or_two():
