@@ -688,17 +688,29 @@ class _GraphPolicy:
         runner._get_forward_fn = get_forward_fn
         capture = getattr(runner, "_capture_graph", None)
         if prefill and callable(capture):
-            def capture_graph(*args, **kwargs):
+            def capture_graph(forward_fn, *args, **kwargs):
+                # transformers runs the step eagerly first (its outputs are computed there),
+                # then captures it: count the eager runs that completed
+                completed = []
+
+                def tracked(*a, **k):
+                    out = forward_fn(*a, **k)
+                    completed.append(True)
+                    return out
                 try:
-                    return capture(*args, **kwargs)
+                    return capture(tracked, *args, **kwargs)
                 except Exception as exc:
-                    if not self.decode_only(getattr(io, "use_block_table", False)):
-                        # this step fails; the next prefill steps run eagerly
-                        self.capture_failures.append(f"{type(exc).__name__}: {exc}")
-                        self.prefill = False
-                        log.warning("CUDA graphs: capturing a prefill step failed (%s); prefill "
-                                    "steps run eagerly from now on", self.capture_failures[-1])
-                    raise
+                    if self.decode_only(getattr(io, "use_block_table", False)):
+                        raise
+                    self.capture_failures.append(f"{type(exc).__name__}: {exc}")
+                    self.prefill = False
+                    log.warning("CUDA graphs: capturing a prefill step failed (%s); prefill "
+                                "steps run eagerly from now on", self.capture_failures[-1])
+                    if not completed:
+                        raise  # the step itself failed, not only its capture
+                    # the eager run computed this step: it is served (transformers 5.17 stops
+                    # the whole batching loop on an error raised here)
+                    return None
 
             runner._capture_graph = capture_graph
 

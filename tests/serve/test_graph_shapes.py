@@ -261,24 +261,46 @@ def test_policy_on_graphs_prefill_steps_in_query_buckets(cpu_processor):
 
 
 def test_a_failed_prefill_capture_sends_prefill_back_to_eager(cpu_processor):
-    """transformers' warm-up swallows a failed capture; the policy then runs prefill steps
-    eagerly rather than failing each served one (a failed decode capture changes nothing)."""
+    """A prefill step whose capture fails after transformers' eager run of it (which computes
+    its outputs) is served, and the policy runs later prefill steps eagerly rather than
+    failing each one (transformers 5.17 stops the batching loop on an error there); a step
+    that fails before its eager run completed raises; a failed decode capture raises and
+    changes nothing."""
     runner = cpu_processor.model_runner
+    ran = []
 
-    def capture_fails(*args):
+    def capture_fails(forward_fn, stream, *args):  # transformers' order: eager run, capture
+        forward_fn(*args)
         raise RuntimeError("operation not permitted when stream is capturing")
+
+    def step(*args):
+        ran.append(args)
 
     runner._capture_graph = capture_fails
     policy = _GraphPolicy.install(cpu_processor, prefill=True)
     assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
     with pytest.raises(RuntimeError):
-        runner._capture_graph()
+        runner._capture_graph(step, None, "decode")
     assert policy.prefill and not policy.capture_failures
     assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is True
-    with pytest.raises(RuntimeError):
-        runner._capture_graph()
+    assert runner._capture_graph(step, None, "prefill") is None  # served from the eager run
+    assert ran == [("decode",), ("prefill",)]
     assert not policy.prefill
     assert policy.capture_failures == ["RuntimeError: operation not permitted when stream is "
                                        "capturing"]
     assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
     assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
+
+
+def test_a_prefill_step_that_fails_before_its_eager_run_completes_raises(cpu_processor):
+    runner = cpu_processor.model_runner
+
+    def step(*args):
+        raise ValueError("the forward itself failed")
+
+    runner._capture_graph = lambda forward_fn, stream, *args: forward_fn(*args)
+    policy = _GraphPolicy.install(cpu_processor, prefill=True)
+    _step(cpu_processor, (1, "PREFILLING", 40, 0))
+    with pytest.raises(ValueError, match="the forward itself failed"):
+        runner._capture_graph(step, None)
+    assert not policy.prefill and policy.capture_failures
