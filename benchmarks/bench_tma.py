@@ -90,7 +90,8 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     g = cfg["g1"] if kernel == "gemm1" else cfg["g2"]
     bn, bk = g["BLOCK_N"], g["BLOCK_K"]
     descs = {"a_desc": f"tensordesc<{dt}[{bm}, {bk}]>", "b_desc": f"tensordesc<{dt}[{bn}, {bk}]>",
-             "a_half_desc": f"tensordesc<{dt}[{max(16, bm // 2)}, {bk}]>", "tiles_ptr": "*i32"}
+             "a_half_desc": f"tensordesc<{dt}[{max(16, bm // 2)}, {bk}]>", "tiles_ptr": "*i32",
+             "halves_ptr": "*i32"}
     tail = bool(cfg.get("tail_half", False))
     if kernel == "gemm1":
         fn = tma.tma_gemm1_kernel
@@ -123,7 +124,9 @@ def compile_one(kernel: str, fmt: str, cfg: dict, arch: int = 90) -> dict:
     regs, spills = _ptxas_info(k.asm["ptx"])
     return {"kernel": kernel, "format": fmt, "config": tma.describe(cfg), "regs": regs,
             "spill_bytes": spills, "shared": k.metadata.shared,
-            "wgmma": "warp_group_dot" in ttgir, "tma_loads": ttgir.count("async_tma_copy_global"),
+            # every dot on wgmma (a dot left as tt.dot runs on mma.sync)
+            "wgmma": "warp_group_dot" in ttgir and " tt.dot " not in ttgir,
+            "tma_loads": ttgir.count("async_tma_copy_global"),
             "convert_layout": ttgir.count("ttg.convert_layout"),
             "warp_specialized": "ttg.warp_specialize" in ttgir}
 

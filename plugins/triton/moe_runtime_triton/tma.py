@@ -106,47 +106,46 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def tail_tiles_kernel(bexp_ptr, tiles_ptr, num_blocks, SCAN: tl.constexpr):
+def tail_tiles_kernel(bexp_ptr, full_ptr, half_ptr, num_blocks, SCAN: tl.constexpr):
     """The tiles of the half-tail layout (``tail_half``): the routing pads each expert's rows
     to half blocks (``BLOCK_M / 2`` rows); a tile starts at every other half block of an expert
-    (its first, third, ...), so it covers two half blocks (``BLOCK_M`` rows), or one where the
-    expert's last half block has no partner (a half tile: the GEMMs compute ``BLOCK_M / 2`` rows
-    there, not ``BLOCK_M`` rows of which half are padding). ``tiles[t]``: the first half block of
-    tile ``t``, then -1. One program, a scan over the half blocks in chunks of ``SCAN``."""
+    (its first, third, ...). ``full[t]``: the first half block of each tile that covers two half
+    blocks of its expert (``BLOCK_M`` rows), then -1; ``half[t]``: likewise for the tiles of one
+    half block (an expert's last, without a partner: the GEMMs compute ``BLOCK_M / 2`` rows
+    there, not ``BLOCK_M`` rows of which half are padding). Two lists, so that each GEMM runs
+    two persistent loops of one tile height each (a branch between heights inside one loop
+    keeps Triton from flattening it). One program, a scan over the half blocks in chunks of
+    ``SCAN``."""
     start = tl.zeros((), dtype=tl.int32) - 1  # the current expert's first half block
     prev = tl.zeros((), dtype=tl.int32) - 2  # the expert of the half block before the chunk
-    count = tl.zeros((), dtype=tl.int32)
+    n_full = tl.zeros((), dtype=tl.int32)
+    n_half = tl.zeros((), dtype=tl.int32)
     for c in range(0, num_blocks, SCAN):
         j = c + tl.arange(0, SCAN)
         inside = j < num_blocks
         e = tl.load(bexp_ptr + j, mask=inside, other=-1)
         before = tl.load(bexp_ptr + j - 1, mask=inside & (j > 0), other=-2)
         before = tl.where(j == c, prev, before)
+        after = tl.load(bexp_ptr + j + 1, mask=j + 1 < num_blocks, other=-1)
         first = (e != before) & (e >= 0)
         s = tl.associative_scan(tl.where(first, j, -1), 0, _max_combine)
         s = tl.maximum(s, start)
         is_tile = (e >= 0) & ((j - s) % 2 == 0)
-        pos = count + tl.cumsum(is_tile.to(tl.int32), 0) - 1
-        tl.store(tiles_ptr + pos, j, mask=is_tile)
-        count += tl.sum(is_tile.to(tl.int32), axis=0)
+        is_full = is_tile & (after == e)
+        is_half = is_tile & (after != e)
+        pos = n_full + tl.cumsum(is_full.to(tl.int32), 0) - 1
+        tl.store(full_ptr + pos, j, mask=is_full)
+        pos = n_half + tl.cumsum(is_half.to(tl.int32), 0) - 1
+        tl.store(half_ptr + pos, j, mask=is_half)
+        n_full += tl.sum(is_full.to(tl.int32), axis=0)
+        n_half += tl.sum(is_half.to(tl.int32), axis=0)
         start = tl.max(s, axis=0)
         prev = tl.max(tl.where(j == c + SCAN - 1, e, -2), axis=0)
     for c in range(0, num_blocks, SCAN):
         j = c + tl.arange(0, SCAN)
-        tl.store(tiles_ptr + j, tl.full((SCAN,), -1, tl.int32), mask=(j >= count) & (j < num_blocks))
-
-
-@triton.jit
-def _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_blocks, TAIL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(expert, first row, half)`` of row tile ``pid_m``: ``BLOCK_M``-row blocks, or with
-    ``TAIL`` the tiles of :func:`tail_tiles_kernel` (``half``: only ``BLOCK_M / 2`` rows)."""
-    if TAIL:
-        blk = tl.load(tiles_ptr + pid_m)
-        e = tl.load(bexp_ptr + blk)
-        nxt = tl.load(bexp_ptr + blk + 1, mask=blk + 1 < num_blocks, other=-1)
-        return e, blk * (BLOCK_M // 2), nxt != e
-    else:
-        return tl.load(bexp_ptr + pid_m), pid_m * BLOCK_M, False
+        inside = j < num_blocks
+        tl.store(full_ptr + j, tl.full((SCAN,), -1, tl.int32), mask=(j >= n_full) & inside)
+        tl.store(half_ptr + j, tl.full((SCAN,), -1, tl.int32), mask=(j >= n_half) & inside)
 
 
 @triton.jit(do_not_specialize=["P", "topk"])
@@ -255,7 +254,7 @@ def _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, x_
 @triton.jit(do_not_specialize=["num_m_blocks", "num_progs", "group_m", "P", "topk"])
 def tma_gemm1_kernel(
     a_desc, a_half_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, bexp_ptr,
-    tiles_ptr, x_ptr, sorted_ptr,
+    tiles_ptr, halves_ptr, x_ptr, sorted_ptr,
     num_m_blocks, num_progs, group_m, P, topk, H, I, stride_im, stride_xm,
     WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr, EXACT: tl.constexpr,
     FUSED_GU: tl.constexpr, A_GATHER: tl.constexpr, TAIL: tl.constexpr,
@@ -266,27 +265,35 @@ def tma_gemm1_kernel(
     row tiles. ``FUSED_GU``: ``b_desc`` holds interleaved rows, a tile is ``BLOCK_N / 2`` output
     columns; otherwise a tile is ``BLOCK_N`` output columns from two B tiles and two dots.
     ``A_GATHER``: the activation rows are read from ``x`` (``[N, H]``, through ``sorted``) instead
-    of the gathered ``a_desc``. ``TAIL``: row tiles from ``tiles`` over ``num_m_blocks`` half
-    blocks (:func:`tail_tiles_kernel`), a half tile through ``a_half_desc``; otherwise
-    ``num_m_blocks`` blocks of ``BLOCK_M`` rows."""
+    of the gathered ``a_desc``. ``TAIL``: row tiles from ``tiles`` and ``halves`` over
+    ``num_m_blocks`` half blocks (:func:`tail_tiles_kernel`), half tiles through
+    ``a_half_desc``; otherwise ``num_m_blocks`` blocks of ``BLOCK_M`` rows."""
     pid = tl.program_id(0)
-    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     OUT_N: tl.constexpr = BLOCK_N // 2 if FUSED_GU else BLOCK_N
     num_n = tl.cdiv(I, OUT_N)
-    num_tiles = used * num_n
-    for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
+    # full-height tiles: row blocks (``bexp``), or with TAIL the two-half-block tiles
+    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
+    for tile in tl.range(pid, used * num_n, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        e, row0, half = _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_m_blocks, TAIL, BLOCK_M)
-        if half:
-            _gemm1_tile(a_half_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr,
-                        x_ptr, sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im,
-                        stride_xm, WFMT, ACT, OUT_FP8, EXACT, FUSED_GU, A_GATHER,
-                        BLOCK_M // 2, BLOCK_N, BLOCK_K)
+        if TAIL:
+            blk = tl.load(tiles_ptr + pid_m)
+            e = tl.load(bexp_ptr + blk)
+            row0 = blk * (BLOCK_M // 2)
         else:
-            _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr,
-                        x_ptr, sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im,
-                        stride_xm, WFMT, ACT, OUT_FP8, EXACT, FUSED_GU, A_GATHER,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
+            e = tl.load(bexp_ptr + pid_m)
+            row0 = pid_m * BLOCK_M
+        _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, x_ptr,
+                    sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im, stride_xm, WFMT, ACT,
+                    OUT_FP8, EXACT, FUSED_GU, A_GATHER, BLOCK_M, BLOCK_N, BLOCK_K)
+    if TAIL:  # then the half tiles, BLOCK_M / 2 rows through a_half_desc
+        used_h = _used_blocks(halves_ptr, num_m_blocks, 1024)
+        for tile in tl.range(pid, used_h * num_n, num_progs, flatten=FLATTEN):
+            pid_m, pid_n = K._tile_coords(tile, used_h, num_n, group_m)
+            blk = tl.load(halves_ptr + pid_m)
+            _gemm1_tile(a_half_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr,
+                        x_ptr, sorted_ptr, tl.load(bexp_ptr + blk), blk * (BLOCK_M // 2),
+                        pid_n, P, topk, H, I, stride_im, stride_xm, WFMT, ACT, OUT_FP8, EXACT,
+                        FUSED_GU, A_GATHER, BLOCK_M // 2, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -319,7 +326,7 @@ def _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_
 @triton.jit(do_not_specialize=["P", "num_m_blocks", "num_progs", "group_m"])
 def tma_gemm2_kernel(
     a_desc, a_half_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, bexp_ptr,
-    tiles_ptr, P, num_m_blocks, num_progs, group_m, H, I, stride_ym,
+    tiles_ptr, halves_ptr, P, num_m_blocks, num_progs, group_m, H, I, stride_ym,
     WFMT: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FLATTEN: tl.constexpr,
@@ -327,20 +334,27 @@ def tma_gemm2_kernel(
     """``y[pair] = w_route[pair] * (inter[row] @ w2[e]^T)`` for the valid rows of used tiles
     (``TAIL``: as in :func:`tma_gemm1_kernel`)."""
     pid = tl.program_id(0)
-    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     num_n = tl.cdiv(H, BLOCK_N)
-    num_tiles = used * num_n
-    for tile in tl.range(pid, num_tiles, num_progs, flatten=FLATTEN):
+    used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
+    for tile in tl.range(pid, used * num_n, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        e, row0, half = _tile_rows(tiles_ptr, bexp_ptr, pid_m, num_m_blocks, TAIL, BLOCK_M)
-        if half:
-            _gemm2_tile(a_half_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
-                        sorted_ptr, e, row0, pid_n, P, H, I, stride_ym, WFMT, BLOCK_M // 2,
-                        BLOCK_N, BLOCK_K)
+        if TAIL:
+            blk = tl.load(tiles_ptr + pid_m)
+            e = tl.load(bexp_ptr + blk)
+            row0 = blk * (BLOCK_M // 2)
         else:
-            _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
-                        sorted_ptr, e, row0, pid_n, P, H, I, stride_ym, WFMT, BLOCK_M,
-                        BLOCK_N, BLOCK_K)
+            e = tl.load(bexp_ptr + pid_m)
+            row0 = pid_m * BLOCK_M
+        _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, e, row0,
+                    pid_n, P, H, I, stride_ym, WFMT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if TAIL:  # then the half tiles
+        used_h = _used_blocks(halves_ptr, num_m_blocks, 1024)
+        for tile in tl.range(pid, used_h * num_n, num_progs, flatten=FLATTEN):
+            pid_m, pid_n = K._tile_coords(tile, used_h, num_n, group_m)
+            blk = tl.load(halves_ptr + pid_m)
+            _gemm2_tile(a_half_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr,
+                        sorted_ptr, tl.load(bexp_ptr + blk), blk * (BLOCK_M // 2), pid_n, P, H,
+                        I, stride_ym, WFMT, BLOCK_M // 2, BLOCK_N, BLOCK_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,9 +424,11 @@ def config_candidates(pw: ops.PreparedWeights, n_tokens: int, topk: int) -> list
     else:
         out.append({**m64, "g1": _gcfg(256, bk, 0, 8, 4), "g2": _gcfg(256, bk, 0, 8, 4)})
     # each expert's last tile of half height where its rows leave half a tile or less: the
-    # padding of 64-row blocks with 128-row tiles elsewhere, or of 32-row blocks
+    # padding of 64-row blocks with 128-row tiles elsewhere (128-row blocks only: a 32-row
+    # half tile runs without wgmma)
     out += [{**m128, "tail_half": True}, {**m128, "tail_half": True, "a_gather": True},
-            {**m64, "tail_half": True}]
+            {**m128, "tail_half": True, "g1": _gcfg(256, bk, 0, 8, 4),
+             "g2": _gcfg(128, bk, 0, 8, 4)}]
     return out
 
 
@@ -493,9 +509,9 @@ def fused_moe_tma(
     dev = hidden.device
     bm = cfg["BLOCK_M"]
     tail = bool(cfg.get("tail_half", False))
-    if tail and (bm % 32 or bm < 32):
-        raise ValueError(f"tail_half needs BLOCK_M a multiple of 32 (half tiles of at least 16 "
-                         f"rows), got {bm}")
+    if tail and (bm < 32 or bm & (bm - 1)):
+        raise ValueError(f"tail_half needs BLOCK_M a power of two of at least 32 (half tiles of "
+                         f"at least 16 rows; 128 for wgmma in both tile heights), got {bm}")
     gran = bm // 2 if tail else bm  # rows each expert is padded to
     P = N * topk
     R = ops.max_sorted_rows(P, E, gran)
@@ -503,11 +519,12 @@ def fused_moe_tma(
     sorted_ids = torch.empty(R, dtype=torch.int32, device=dev)
     bexp = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
     go("route", lambda: ops.route_into(topk_ids, E, gran, sorted_ids, bexp))
-    tiles = bexp
+    tiles = halves = bexp
     if tail:
         tiles = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
-        go("tiles", lambda: tail_tiles_kernel[(1,)](bexp, tiles, num_m_blocks, SCAN=1024,
-                                                    num_warps=4))
+        halves = torch.empty(num_m_blocks, dtype=torch.int32, device=dev)
+        go("tiles", lambda: tail_tiles_kernel[(1,)](bexp, tiles, halves, num_m_blocks,
+                                                    SCAN=1024, num_warps=4))
 
     fp8 = pw.wfmt == K.WFMT_FP8
     if fp8:
@@ -557,7 +574,7 @@ def fused_moe_tma(
     group1 = _group_m(g1, grid1, triton.cdiv(I, out_n1))
     go("gemm1", lambda: tma_gemm1_kernel[(grid1,)](
         a1, a1h, b1, inter, tw.w13_scale if fp8 else dummy, a_scale if fp8 else dummy,
-        pw.a2_scale if fp8 else dummy, bexp, tiles, x, sorted_ids,
+        pw.a2_scale if fp8 else dummy, bexp, tiles, halves, x, sorted_ids,
         num_m_blocks, grid1, group1, P, topk, H, I, inter.stride(0), x.stride(0),
         WFMT=pw.wfmt, ACT=ops._ACT[pw.activation], OUT_FP8=fp8, EXACT=ops.EXACT_FP8,
         FUSED_GU=tw.fused_gu, A_GATHER=a_gather, TAIL=tail, BLOCK_M=bm, BLOCK_N=g1["BLOCK_N"],
@@ -574,7 +591,7 @@ def fused_moe_tma(
     group2 = _group_m(g2, grid2, triton.cdiv(H, g2["BLOCK_N"]))
     go("gemm2", lambda: tma_gemm2_kernel[(grid2,)](
         a2d, a2h, b2d, tw.w2_scale if fp8 else dummy, pw.a2_scale if fp8 else dummy,
-        topk_weights, y, sorted_ids, bexp, tiles,
+        topk_weights, y, sorted_ids, bexp, tiles, halves,
         P, num_m_blocks, grid2, group2, H, I, y.stride(0),
         WFMT=pw.wfmt, TAIL=tail, BLOCK_M=bm, BLOCK_N=g2["BLOCK_N"], BLOCK_K=g2["BLOCK_K"],
         FLATTEN=flatten,

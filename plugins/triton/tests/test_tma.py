@@ -175,52 +175,60 @@ def test_rejections():
                           tw, config=_cfg(fused_gu=True))
 
 
-def _tiles_reference(bexp: list[int]) -> list[int]:
-    """A tile at every other half block of each expert's run, then -1."""
-    tiles, j = [], 0
+def _tiles_reference(bexp: list[int]) -> tuple[list[int], list[int]]:
+    """A tile at every other half block of each expert's run: full tiles (two half blocks of
+    the expert) and half tiles (its last, unpaired one), each list then -1."""
+    full, half, j = [], [], 0
     while j < len(bexp) and bexp[j] >= 0:
         run = j
         while run < len(bexp) and bexp[run] == bexp[j]:
             run += 1
-        tiles += list(range(j, run, 2))
+        for t in range(j, run, 2):
+            (full if t + 1 < run else half).append(t)
         j = run
-    return tiles + [-1] * (len(bexp) - len(tiles))
+    return (full + [-1] * (len(bexp) - len(full)), half + [-1] * (len(bexp) - len(half)))
 
 
 @pytest.mark.parametrize("scan", [4, 16, 1024])
-def test_tail_tile_list(scan, device):
-    """Runs of 1, 2, 3, 4, 5 and 7 half blocks (chunks of ``scan`` cut through them), then
-    unused blocks: a tile starts at each expert's first, third, ... half block."""
+@pytest.mark.parametrize("unused", [6, 0])
+def test_tail_tile_list(scan, unused, device):
+    """Runs of 1, 2, 3, 4, 5 and 7 half blocks (chunks of ``scan`` cut through them and begin
+    at a run's first block), then unused blocks or none: a tile starts at each expert's first,
+    third, ... half block, full where the expert has the next one too."""
     runs = [(0, 1), (1, 2), (3, 3), (4, 4), (6, 5), (7, 7)]
-    bexp = [e for e, n in runs for _ in range(n)] + [-1] * 6
+    bexp = [e for e, n in runs for _ in range(n)] + [-1] * unused
     b = torch.tensor(bexp, dtype=torch.int32, device=device)
-    tiles = torch.full_like(b, 99)
-    tma.tail_tiles_kernel[(1,)](b, tiles, b.numel(), SCAN=scan)
-    assert tiles.tolist() == _tiles_reference(bexp)
+    full, half = torch.full_like(b, 99), torch.full_like(b, 99)
+    tma.tail_tiles_kernel[(1,)](b, full, half, b.numel(), SCAN=scan)
+    assert (full.tolist(), half.tolist()) == _tiles_reference(bexp)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("a_gather,fused_gu", [(False, True), (True, True), (False, False)])
-def test_half_tail_tiles(fmt, a_gather, fused_gu, device):
+@pytest.mark.parametrize("a_gather,fused_gu,bm", [(False, True, 32), (True, True, 32),
+                                                  (False, False, 32), (False, True, 64)])
+def test_half_tail_tiles(fmt, a_gather, fused_gu, bm, device):
     """``tail_half``: experts of 5, 16, 17, 33 and 40 rows with 32-row tiles over 16-row half
     blocks (one half tile; one half tile; one full; full + half; full + full + half), -1 ids
-    too; same results as the reference and as 32-row blocks without half tiles."""
+    too; same results as the reference and as 32-row blocks without half tiles (and with
+    64-row tiles: half, half, half, full, full + half)."""
     counts = {0: 5, 1: 16, 2: 17, 3: 33, 5: 40}
     pairs = [e for e, n in counts.items() for _ in range(n)] + [-1] * 3
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1))
     ids = torch.tensor(pairs)[order].reshape(-1, 3)
-    cfg = _cfg(bm=32, fused_gu=fused_gu, bn1=32 if fused_gu else 16, a_gather=a_gather)
+    cfg = _cfg(bm=bm, fused_gu=fused_gu, bn1=32 if fused_gu else 16, a_gather=a_gather)
     tail, ref = _check(fmt, 6, 64, 32, ids, device, cfg={**cfg, "tail_half": True}, seed=8)
     whole, _ = _check(fmt, 6, 64, 32, ids, device, cfg=cfg, seed=8)
     assert rel_err(tail, whole) < TOL[fmt] / 4
 
 
-def test_half_tail_tiles_need_a_block_height_of_32_rows_or_more():
+def test_half_tail_tiles_need_a_power_of_two_block_height_of_32_rows_or_more():
     tw = tma.prepare_tma(ops.prepare_weights(make_weights("fp16", 4, 64, 32)))
-    with pytest.raises(ValueError, match="tail_half needs BLOCK_M a multiple of 32"):
-        tma.fused_moe_tma(torch.randn(2, 64).half(), torch.tensor([[0, 1], [1, 2]],
-                                                                  dtype=torch.int32),
-                          torch.rand(2, 2), tw, config={**_cfg(bm=16), "tail_half": True})
+    for bm in (16, 96):
+        with pytest.raises(ValueError, match="tail_half needs BLOCK_M a power of two of at "
+                                             f"least 32.*got {bm}"):
+            tma.fused_moe_tma(torch.randn(2, 64).half(),
+                              torch.tensor([[0, 1], [1, 2]], dtype=torch.int32),
+                              torch.rand(2, 2), tw, config={**_cfg(bm=bm), "tail_half": True})
 
 
 def test_config_candidates_are_valid():
