@@ -296,7 +296,7 @@ class Engine:
         io = processor.inputs_and_outputs
         self.sampler.pipeline(2 if self.batching.overlap.on else 1,
                               stream=getattr(io, "compute_stream", None))
-        _collect_with_outputs(io, self.sampler)
+        _collect_with_outputs(io, self.sampler, self.batching.overlap.on)
         if self.batching.graphs.on:
             policy = _GraphPolicy.install(processor, prefill=self.batching.graphs.prefill)
             eager_because = ""  # why prefill steps stay eager though graphing them was asked for
@@ -621,7 +621,7 @@ PREFILL_TOKENS = 2048  # tokens of one prefill forward, within the plan's bound
 DECODE_PADDING = 8  # query tokens a graphed decode batch is padded to a multiple of
 
 
-def _collect_with_outputs(io, sampler: BatchSampler) -> None:
+def _collect_with_outputs(io, sampler: BatchSampler, overlapped: bool) -> None:
     """Record a step's log-probabilities when its outputs reach the host: ``io``'s
     ``prepare_batch_update`` (every step's update calls it once, in step order, after the step's
     device-to-host copy; synchronous and asynchronous batching alike) collects from the sampler
@@ -636,8 +636,11 @@ def _collect_with_outputs(io, sampler: BatchSampler) -> None:
 
     def prepare_batch_update(*args, **kwargs):
         update = prepare(*args, **kwargs)
-        rows = [fs for fs in update[0] if fs.has_new_token]
-        sampler.collect(skipped={i for i, fs in enumerate(rows) if fs.state.status in dropped})
+        skipped = ()
+        if overlapped:  # one step at a time, transformers refuses such states (no Python loop)
+            rows = [fs for fs in update[0] if fs.has_new_token]
+            skipped = {i for i, fs in enumerate(rows) if fs.state.status in dropped}
+        sampler.collect(skipped=skipped)
         return update
 
     io.prepare_batch_update = prepare_batch_update

@@ -112,17 +112,23 @@ def prefill_graph_bound(max_batch_tokens: int, batch_cap: int, cache_tokens: int
     return {"query": q, "kv": kv, "seqlen_k": keys, "graphs": len(q) * len(kv) * len(keys)}
 
 
+def _switch(name: str, expected: str) -> bool | None:
+    """Environment variable ``name`` as a switch: ``1`` True, ``0`` False, unset (or empty)
+    None; any other value a ValueError quoting it and ``expected``."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: expected {expected}")
+    return None if value == "" else value == "1"
+
+
 def prefill_graphs_requested(requested: bool | None = None) -> bool:
     """The engine's ``graph_prefill`` (it wins); ``None`` reads ``MOE_RUNTIME_GRAPH_PREFILL``
     (``1`` or unset: on, the default, measured faster on an H200; ``0``: off, prefill steps run
     eagerly)."""
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(PREFILL_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{PREFILL_ENV}={value!r}: expected 1 or unset (graph prefill steps, "
-                         "the default) or 0 (prefill steps run eagerly)")
-    return value != "0"
+    return _switch(PREFILL_ENV, "1 or unset (graph prefill steps, the default) or 0 (prefill "
+                                "steps run eagerly)") is not False
 
 
 def async_batching_requested(requested: bool | None = None) -> bool | None:
@@ -131,11 +137,8 @@ def async_batching_requested(requested: bool | None = None) -> bool | None:
     it before torch is imported."""
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(ASYNC_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ASYNC_ENV}={value!r}: expected 1 (prepare the next step while the "
-                         "current one runs on a CUDA device), 0 or unset (one step at a time)")
-    return None if value == "" else value == "1"
+    return _switch(ASYNC_ENV, "1 (prepare the next step while the current one runs on a CUDA "
+                              "device), 0 or unset (one step at a time)")
 
 
 def graph_this_step(graphed: bool, decode_only: bool, prefill: bool) -> bool:

@@ -250,6 +250,7 @@ class BatchSampler:
         self._lp_ids = torch.zeros((_BUFFERS, max_batch, MAX_LOGPROBS), dtype=torch.int64,
                                    device=self.device)
         self._tokens = torch.zeros((_BUFFERS, max_batch), dtype=torch.int64, device=self.device)
+        self._row_index = torch.arange(max_batch, device=self.device)  # made once, not per step
         self._slots: dict[int, _Slot] = {}
         self._holding: set[int] = set()  # keys of open slots not yet released: each may need a row
         self._closed: list[_Slot] = []
@@ -457,26 +458,31 @@ class BatchSampler:
         tokens = x.argmax(dim=-1)
         if sampled:
             tokens = torch.where(fp[:, _GREEDY] > 0, tokens, self._draw(x, fp, ip))
-        if isinstance(buffer, torch.Tensor):
-            at = buffer.reshape(-1)[:1].to(device=logits.device, dtype=torch.int64).expand(b)
+        if isinstance(buffer, torch.Tensor):  # read on the device when the step runs
+            at = (buffer.reshape(-1)[:1].to(device=self.device, dtype=torch.int64).expand(b),
+                  self._row_index[:b])
+
+            def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+                dst.index_put_(at, src)
         else:
-            at = torch.full((b,), self.newest_buffer if buffer is None else int(buffer),
-                            dtype=torch.int64, device=logits.device)
-        at = (at, torch.arange(b, device=logits.device))
+            i = self.newest_buffer if buffer is None else int(buffer)
+
+            def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+                dst[i, :b].copy_(src)
         if logprobs:
             logp = torch.log_softmax(raw, dim=-1)
-            self._lp_chosen.index_put_(at, logp.gather(1, tokens[:, None])[:, 0])
+            put(self._lp_chosen, logp.gather(1, tokens[:, None])[:, 0])
             k = min(MAX_LOGPROBS, v)
             values, ids = torch.topk(logp, k, dim=-1)
-            self._lp_values[:, :, :k].index_put_(at, values)
-            self._lp_ids[:, :, :k].index_put_(at, ids)
+            put(self._lp_values[:, :, :k], values)
+            put(self._lp_ids[:, :, :k], ids)
         # the step's bookkeeping: each row's position and (if any row is penalized) counts
         self._iparams.index_put_((rows, torch.full_like(rows, _POS)), torch.ones_like(rows),
                                  accumulate=True)
         if penalized:
             self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                     accumulate=True)
-        self._tokens.index_put_(at, tokens)
+        put(self._tokens, tokens)
         return tokens
 
     def _draw(self, x: torch.Tensor, fp: torch.Tensor, ip: torch.Tensor) -> torch.Tensor:

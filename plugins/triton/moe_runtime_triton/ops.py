@@ -712,13 +712,20 @@ def tma_unavailable(pw: PreparedWeights) -> str | None:
     return why
 
 
+def _path_asked(mode: str, cfg: dict, key: str, unavailable, pw: PreparedWeights) -> bool:
+    """Whether an opt-in path runs a call: its variable (``mode``) is not ``0``, it is ``1`` or
+    the tile config has the path's entry ``key``, and ``unavailable(pw)`` finds nothing that
+    keeps it from these weights (checked last: it reads the weights)."""
+    if mode == "0" or (mode == "" and not cfg.get(key)):
+        return False
+    return unavailable(pw) is None
+
+
 def tma_config(pw: PreparedWeights, cfg: dict, n_tokens: int, topk: int) -> dict | None:
     """The TMA path's config for a call with tile config ``cfg``, or ``None`` where the sorted,
     decode or torch grouped path runs instead (:data:`TMA_MODE`, the entry's ``"tma"``, and
     whether the path can run these weights)."""
-    if TMA_MODE == "0" or (TMA_MODE == "" and not cfg.get("tma")):
-        return None
-    if tma_unavailable(pw) is not None:
+    if not _path_asked(TMA_MODE, cfg, "tma", tma_unavailable, pw):
         return None
     if cfg.get("tma"):
         return cfg["tma"]
@@ -855,9 +862,7 @@ def w4a16_config(pw: PreparedWeights, cfg: dict, n_tokens: int, topk: int) -> di
     ``{}`` for the defaults under ``MOE_TRITON_W4A16=1``), or ``None`` where the sorted, decode,
     torch grouped or TMA path runs instead (:data:`W4A16_MODE`, the entry's ``"w4a16"``, and
     whether the path can run these weights)."""
-    if W4A16_MODE == "0" or (W4A16_MODE == "" and not cfg.get("w4a16")):
-        return None
-    if w4a16_unavailable(pw) is not None:
+    if not _path_asked(W4A16_MODE, cfg, "w4a16", w4a16_unavailable, pw):
         return None
     return cfg.get("w4a16") or {}
 

@@ -196,6 +196,17 @@ def _a_tile(a_desc, x_ptr, tok, row_valid, row0, k0, H, stride_xm, A_GATHER: tl.
 
 
 @triton.jit
+def _full_tile(tiles_ptr, bexp_ptr, pid_m, TAIL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(expert, first row)`` of full-height row tile ``pid_m``: a row block of ``bexp``, or
+    with ``TAIL`` a two-half-block tile of ``tiles`` (:func:`tail_tiles_kernel`)."""
+    if TAIL:
+        blk = tl.load(tiles_ptr + pid_m)
+        return tl.load(bexp_ptr + blk), blk * (BLOCK_M // 2)
+    else:
+        return tl.load(bexp_ptr + pid_m), pid_m * BLOCK_M
+
+
+@triton.jit
 def _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, x_ptr, sorted_ptr,
                 e, row0, pid_n, P, topk, H, I, stride_im, stride_xm,
                 WFMT: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
@@ -275,13 +286,7 @@ def tma_gemm1_kernel(
     used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     for tile in tl.range(pid, used * num_n, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        if TAIL:
-            blk = tl.load(tiles_ptr + pid_m)
-            e = tl.load(bexp_ptr + blk)
-            row0 = blk * (BLOCK_M // 2)
-        else:
-            e = tl.load(bexp_ptr + pid_m)
-            row0 = pid_m * BLOCK_M
+        e, row0 = _full_tile(tiles_ptr, bexp_ptr, pid_m, TAIL, BLOCK_M)
         _gemm1_tile(a_desc, b_desc, inter_ptr, ws_ptr, a_scale_ptr, a2_scale_ptr, x_ptr,
                     sorted_ptr, e, row0, pid_n, P, topk, H, I, stride_im, stride_xm, WFMT, ACT,
                     OUT_FP8, EXACT, FUSED_GU, A_GATHER, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -338,13 +343,7 @@ def tma_gemm2_kernel(
     used = _used_blocks(tiles_ptr if TAIL else bexp_ptr, num_m_blocks, 1024)
     for tile in tl.range(pid, used * num_n, num_progs, flatten=FLATTEN):
         pid_m, pid_n = K._tile_coords(tile, used, num_n, group_m)
-        if TAIL:
-            blk = tl.load(tiles_ptr + pid_m)
-            e = tl.load(bexp_ptr + blk)
-            row0 = blk * (BLOCK_M // 2)
-        else:
-            e = tl.load(bexp_ptr + pid_m)
-            row0 = pid_m * BLOCK_M
+        e, row0 = _full_tile(tiles_ptr, bexp_ptr, pid_m, TAIL, BLOCK_M)
         _gemm2_tile(a_desc, b_desc, ws_ptr, a2_scale_ptr, topk_w_ptr, y_ptr, sorted_ptr, e, row0,
                     pid_n, P, H, I, stride_ym, WFMT, BLOCK_M, BLOCK_N, BLOCK_K)
     if TAIL:  # then the half tiles
@@ -550,7 +549,8 @@ def fused_moe_tma(
                 num_warps=8))
         # descriptors of the right type for the unused TMA operands
         a1 = TensorDescriptor.from_tensor(tw.w13, [bm, g1["BLOCK_K"]])
-        a1h = TensorDescriptor.from_tensor(tw.w13, [max(16, bm // 2), g1["BLOCK_K"]])
+        a1h = (TensorDescriptor.from_tensor(tw.w13, [bm // 2, g1["BLOCK_K"]]) if tail
+               else a1)  # (unused without tail_half)
     else:
         x = hidden
         xs = torch.empty((R, H), dtype=a_dtype, device=dev)
@@ -562,7 +562,7 @@ def fused_moe_tma(
             QUANT=quant, EXACT=ops.EXACT_FP8, BLOCK_M=gran, ROWS=rows_g, BLOCK_H=bh,
             num_warps=4))
         a1 = TensorDescriptor.from_tensor(xs, [bm, g1["BLOCK_K"]])
-        a1h = TensorDescriptor.from_tensor(xs, [max(16, bm // 2), g1["BLOCK_K"]])
+        a1h = TensorDescriptor.from_tensor(xs, [bm // 2, g1["BLOCK_K"]]) if tail else a1
 
     inter = torch.empty((R, I), dtype=inter_dtype, device=dev)
     nprog = _num_programs(dev, cfg)
@@ -584,7 +584,7 @@ def fused_moe_tma(
     y = torch.empty((P, H), dtype=out_dtype, device=dev)
     g2 = cfg["g2"]
     a2d = TensorDescriptor.from_tensor(inter, [bm, g2["BLOCK_K"]])
-    a2h = TensorDescriptor.from_tensor(inter, [max(16, bm // 2), g2["BLOCK_K"]])
+    a2h = TensorDescriptor.from_tensor(inter, [bm // 2, g2["BLOCK_K"]]) if tail else a2d
     b2d = TensorDescriptor.from_tensor(tw.w2, [g2["BLOCK_N"], g2["BLOCK_K"]])
     max_tiles2 = num_m_blocks * triton.cdiv(H, g2["BLOCK_N"])
     grid2 = max(1, min(nprog, max_tiles2))
