@@ -137,7 +137,8 @@ class Engine:
         tokens after launching step N+1 (transformers' asynchronous batching); ``False`` runs
         one step at a time; ``None`` (default) reads ``MOE_RUNTIME_ASYNC_BATCHING`` (``1`` on;
         off when unset: opt-in until measured on a GPU). Tokens, seeded draws and
-        log-probabilities are the same either way.
+        log-probabilities are meant to be the same either way (CPU-tested in transformers' call
+        order; the GPU test comparing the two has not run yet).
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
