@@ -33,7 +33,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, show its ta
     local name=$1 limit=$2
     shift 2
     echo "== $name ($(date -u +%H:%M:%S))"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "   exit $?"
     tail -n 25 "$OUT/$name.log"
 }
@@ -109,14 +109,14 @@ overlap)
     # log-probabilities), then both sides overlapped at every client count, then the 16-client
     # profile (its wall ms per step against its GPU ms: what the overlap hides)
     wheels .gpu_carry/serve_whl
-    step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+    step gpu_tests 150 python -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/serve/test_engine_cuda_graphs.py
-    step checkpoint 90 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    step bench_serve 300 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/bench_serve.py \
+    step bench_serve 280 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/bench_serve.py \
         --model /tmp/q30 --device cuda --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 \
         --repeats 1 --no-progress --out "$OUT/serve"
-    step profile_serve 100 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/profile_serve.py \
+    step profile_serve 80 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/profile_serve.py \
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
 *)
