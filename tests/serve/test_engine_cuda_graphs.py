@@ -31,7 +31,7 @@ def test_graphs_stay_off_on_a_cpu_and_say_why():
 
 def test_overlap_is_opt_in_and_only_for_continuous_batching_on_cuda(monkeypatch):
     monkeypatch.delenv(ASYNC_ENV, raising=False)
-    default = choose_overlap("cuda:0", CONTINUOUS)  # opt-in until measured on a GPU
+    default = choose_overlap("cuda:0", CONTINUOUS)  # opt-in: its measured gain was mixed
     assert not default.on and f"{ASYNC_ENV}=1" in default.describe()
     on = choose_overlap("cuda:0", CONTINUOUS, requested=True)
     assert on.on and "launched while the current one runs" in on.describe()
