@@ -448,6 +448,7 @@ class _Check:
             self.add_error("config", exc)
         fields = self._model_fields()
         self._sizes(fields, file)
+        self._constants(fields, file)
         experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                             if fields.get(k) is not None), "num_experts")
         for s in structures[:1]:  # every MoE layer of a config shares these fields
@@ -508,6 +509,29 @@ class _Check:
             self.add("config", file, f"num_attention_heads {heads} is not a multiple of "
                      f"num_key_value_heads {kv}", "query heads that split evenly over the "
                      "key/value heads")
+
+    def _constants(self, fields: dict, file: str) -> None:
+        """The norms' epsilon and RoPE's base are numbers in their range: transformers takes a
+        negative ``rms_norm_eps`` or ``rope_theta`` as given, and the model then computes NaN
+        (the square root of a negative variance, a negative base's fractional powers) for every
+        token, which the server would serve as text."""
+        where = "text_config." if fields is not self.config else ""
+        rope = fields.get("rope_parameters") or fields.get("rope_scaling")
+        checks = [("rms_norm_eps", fields, "rms_norm_eps", 0, "a number of 0 or more (1e-06 "
+                   "is usual)")]
+        checks.append(("rope_theta", fields, "rope_theta", None, "a positive number (10000.0 "
+                       "is usual)"))
+        if isinstance(rope, dict):
+            key = "rope_parameters" if isinstance(fields.get("rope_parameters"), dict) else (
+                "rope_scaling")
+            checks.append((f"{key}.rope_theta", rope, "rope_theta", None,
+                           "a positive number (10000.0 is usual)"))
+        for label, holder, key, low, accepted in checks:
+            value = holder.get(key)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # absent, or of a type transformers' config class refuses itself
+            if not math.isfinite(value) or (value < low if low is not None else value <= 0):
+                self.add("config", file, f"{where}{label} is {value!r}", accepted)
 
     def _model_fields(self) -> dict:
         c = self.config or {}
@@ -725,6 +749,7 @@ class _Check:
         for layer in layers:
             self._experts(layer)
         self._embeddings()
+        self._dense_dtypes()
         try:
             linears = _linears(spec, tensors, layers)
         except CheckpointError as exc:
@@ -948,6 +973,26 @@ class _Check:
                 self.add("tensors", f"{self.folder / meta.file}: tensor {name!r}",
                          f"has shape {list(meta.shape)}, but config.json declares vocab_size "
                          f"{vocab} and hidden_size {hidden}", f"[{vocab}, {hidden}]")
+
+    # tensors no quantization config covers (norms, embeddings, biases; lm_head is a linear,
+    # checked with the others): transformers casts what it loads to the model's dtype, so an
+    # integer or boolean one would load without a word and serve garbage (an int8 embedding
+    # rounds every value; a bool norm is all ones)
+    _DENSE = re.compile(r"(?:^|\.)(?:[a-z_]*norm|embed_tokens)\.weight$|\.bias$")
+    FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+    def _dense_dtypes(self) -> None:
+        wrong: dict[str, list[str]] = defaultdict(list)
+        for name, meta in self.tensors.items():
+            if self._DENSE.search(name) and meta.dtype not in self.FLOAT_DTYPES:
+                wrong[meta.dtype].append(name)
+        for dtype, names in wrong.items():
+            meta = self.tensors[names[0]]
+            self.add("tensors", str(self.folder / meta.file),
+                     f"tensor {names[0]!r} is {dtype}, but it is no quantized weight (a norm, an "
+                     "embedding or a bias): transformers would cast it to the model's "
+                     "float dtype and serve the rounded values" + _more(len(names) - 1, "tensor"),
+                     " or ".join(self.FLOAT_DTYPES))
 
     def _linears(self, linears) -> None:
         problems: dict[tuple[str, str], list[str]] = defaultdict(list)

@@ -658,3 +658,47 @@ def test_config_fields_of_any_type_never_crash_the_check(seed, qwen3_mixed, deep
         target[key] = rng.choice(_ODD_VALUES)
         (folder / file).write_text(json.dumps(data))
         check_checkpoint(folder, machine=None)
+
+
+# Found by an outside user: these loaded without a word and served garbage (an integer or boolean
+# dense tensor is cast to the model's dtype by transformers; a negative rms_norm_eps or
+# rope_theta makes every logit NaN). The check names each.
+NUMBER_DAMAGES = [
+    Damage("norm_of_an_integer_dtype", "qwen3_nvfp4", edit_tensors(lambda t: t.__setitem__(
+        "model.norm.weight", torch.ones(64, dtype=torch.int8))), "tensors",
+           ["'model.norm.weight' is I8", "BF16 or F16 or F32"]),
+    Damage("layer_norms_of_bool_dtype", "qwen3_fp8", edit_tensors(lambda t: [t.__setitem__(
+        f"model.layers.{i}.input_layernorm.weight", torch.ones(64, dtype=torch.bool))
+        for i in range(2)]), "tensors", ["input_layernorm.weight' is BOOL", "(and 1 more tensor",
+                                         "BF16 or F16 or F32"]),
+    Damage("embeddings_of_an_integer_dtype", "qwen3_mixed", edit_tensors(lambda t: t.__setitem__(
+        "model.embed_tokens.weight", t["model.embed_tokens.weight"].to(torch.int8))), "tensors",
+           ["'model.embed_tokens.weight' is I8", "BF16 or F16 or F32"]),
+    Damage("rms_norm_eps_negative", "qwen3_nvfp4", set_config(rms_norm_eps=-1.0), "config",
+           ["config.json", "rms_norm_eps is -1.0", "a number of 0 or more"]),
+    Damage("rope_theta_negative", "qwen3_fp8",
+           set_config(rope_parameters={"rope_type": "default", "rope_theta": -1}), "config",
+           ["rope_parameters.rope_theta is -1", "a positive number"]),
+    Damage("rope_theta_zero_at_the_top_level", "qwen3_fp8", set_config(rope_theta=0), "config",
+           ["rope_theta is 0", "a positive number"]),
+]
+
+
+@pytest.mark.parametrize("damage", NUMBER_DAMAGES, ids=lambda d: d.id)
+def test_dense_tensors_and_numeric_constants_out_of_range_are_refused(damage, damaged, capsys):
+    test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys)
+
+
+def test_serve_refuses_a_negative_rms_norm_eps_at_start_up(damaged):
+    damage = next(d for d in NUMBER_DAMAGES if d.id == "rms_norm_eps_negative")
+    folder = damaged(damage)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--model", str(folder),
+                           "--port", "0", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text
+    assert "Traceback" not in text
+    assert all(n in text for n in damage.needles), text
+    assert "serving '" not in text
