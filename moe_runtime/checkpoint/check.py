@@ -334,6 +334,7 @@ class _Check:
         self.config: dict | None = None
         self.tensors: dict[str, TensorMeta] = {}
         self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
+        self.duplicates: list[tuple[str, str, str]] = []  # (tensor, first file, second file)
         self.scale_count = self.scale_bytes = 0
         self.scale_seconds = 0.0
         self.estimate: MemoryEstimate | None = None
@@ -666,6 +667,14 @@ class _Check:
         before = len(self.findings)
         for path in paths:
             self._read_header(path)
+        if self.duplicates:  # which copy loads depends on the loader's order: refuse, not guess
+            t, first, second = self.duplicates[0]
+            self.add("safetensors", str(self.folder),
+                     f"tensor {t!r} is stored in both {first} and {second}"
+                     + _more(len(self.duplicates) - 1, "tensor")
+                     + ": which copy would be loaded depends on the order the files are read in",
+                     "each tensor in one .safetensors file (remove the stray copy, or the file "
+                     "that repeats the others)")
         if mapped is not None:
             missing = [(t, f) for t, f in mapped.items()
                        if (self.folder / f).is_file() and self.tensors.get(t, None) is None]
@@ -699,6 +708,8 @@ class _Check:
             if problem:
                 bad.append(f"tensor {name!r} {problem}")
                 continue
+            if name in self.tensors and self.tensors[name].file != path.name:
+                self.duplicates.append((name, self.tensors[name].file, path.name))
             self.tensors[name] = TensorMeta(meta["dtype"], meta["shape"], path.name)
             self.ranges[name] = (path.name, *header.data_range(name))
         if bad:

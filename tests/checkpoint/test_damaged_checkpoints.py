@@ -702,3 +702,17 @@ def test_serve_refuses_a_negative_rms_norm_eps_at_start_up(damaged):
     assert "Traceback" not in text
     assert all(n in text for n in damage.needles), text
     assert "serving '" not in text
+
+
+def copy_of_the_weights(folder: Path) -> None:
+    shutil.copy(folder / WEIGHTS, folder / "model-extra.safetensors")
+
+
+def test_a_tensor_stored_in_two_files_is_refused(damaged, capsys):
+    """Found by an outside user: two .safetensors files holding the same tensors, no index, passed
+    the check and served (whichever copy the loader read last)."""
+    damage = Damage("tensors_in_two_files", "qwen3_nvfp4", copy_of_the_weights, "safetensors",
+                    ["is stored in both", WEIGHTS, "model-extra.safetensors", "more tensors",
+                     "each tensor in one .safetensors file"])
+    test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys)
