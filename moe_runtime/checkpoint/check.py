@@ -527,12 +527,31 @@ class _Check:
                 "rope_scaling")
             checks.append((f"{key}.rope_theta", rope, "rope_theta", None,
                            "a positive number (10000.0 is usual)"))
+            self._rope_type(rope, key, where, file)
         for label, holder, key, low, accepted in checks:
             value = holder.get(key)
             if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue  # absent, or of a type transformers' config class refuses itself
             if not math.isfinite(value) or (value < low if low is not None else value <= 0):
                 self.add("config", file, f"{where}{label} is {value!r}", accepted)
+
+    _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+    def _rope_type(self, rope: dict, key: str, where: str, file: str) -> None:
+        """transformers looks the RoPE type up in its table when it builds the model, so an
+        unknown one failed at serve's start as a bare ``KeyError``."""
+        name = "rope_type" if "rope_type" in rope else "type"
+        value = rope.get(name)
+        if value is None or value in self._ROPE_TYPES:
+            return
+        try:  # only for a type outside the usual ones: the table of the installed transformers
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            known = ["default", *ROPE_INIT_FUNCTIONS]
+        except Exception:  # noqa: BLE001 - no transformers: judge by the usual types
+            known = list(self._ROPE_TYPES)
+        if value not in known:
+            self.add("config", file, f"{where}{key}.{name} is {value!r}, a RoPE type "
+                     "transformers does not know", ", ".join(repr(k) for k in known))
 
     def _model_fields(self) -> dict:
         c = self.config or {}

@@ -716,3 +716,14 @@ def test_a_tensor_stored_in_two_files_is_refused(damaged, capsys):
                      "each tensor in one .safetensors file"])
     test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
         damage, damaged, capsys)
+
+
+def test_an_unknown_rope_type_is_refused_naming_the_known_ones(damaged, capsys):
+    """Found by an outside user: rope_parameters.rope_type 'bogus' passed check and plan, and serve
+    failed at start with a bare "serving failed: KeyError: 'bogus'"."""
+    damage = Damage("rope_type_unknown", "qwen3_fp8",
+                    set_config(rope_parameters={"rope_type": "bogus", "rope_theta": 1e4}),
+                    "config", ["config.json", "rope_parameters.rope_type is 'bogus'",
+                               "'default'", "'yarn'"])
+    test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys)
