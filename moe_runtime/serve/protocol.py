@@ -16,6 +16,7 @@ import difflib
 import json
 import math
 import re
+import sys
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -103,7 +104,13 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         value = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # ValueError also covers integers of more digits than Python converts (4300)
+        # ValueError also covers integers of more digits than Python converts (4300), whose
+        # message advises sys.set_int_max_str_digits(): the server's business, not the client's
+        if "integer string conversion" in str(exc):
+            limit = sys.get_int_max_str_digits()
+            raise invalid(f"the request body holds an integer of more than {limit} digits; "
+                          f"accepted: numbers of at most {limit} digits (no field takes a larger "
+                          "one)", code="invalid_json") from None
         raise invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if b"\\u" in body or b"\xed" in body:  # where a lone UTF-16 surrogate can come from
         try:
@@ -592,7 +599,10 @@ def known_fields(model: type[BaseModel]) -> set[str]:
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate ``body`` into ``model``; a schema error becomes a 400 naming the field."""
     if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                float: "a number", type(None): "null"}.get(type(body), type(body).__name__)
+        raise invalid(f"the request body must be a JSON object of the request's fields; got "
+                      f"{kind}", code="invalid_type")
     known = known_fields(model)
     unknown = sorted(k for k in body if k not in known)
     if unknown:

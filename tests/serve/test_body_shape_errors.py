@@ -1,0 +1,33 @@
+"""Error messages about the shape of a request body, against the real server (found by an
+outside user): they say what was sent and what is accepted, in the client's terms."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def post_raw(http, body: bytes):
+    return http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+
+
+def test_a_5000_digit_integer_is_named_without_python_advice(http):
+    r = post_raw(http, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_json"
+    assert "more than 4300 digits" in error["message"]
+    assert "accepted: numbers of at most 4300 digits" in error["message"]
+    assert "sys." not in error["message"] and "set_int_max_str_digits" not in error["message"]
+
+
+@pytest.mark.parametrize("body, kind", [(b"[1, 2]", "an array"), (b'"hi"', "a string"),
+                                        (b"null", "null"), (b"7", "a number"),
+                                        (b"true", "a boolean")])
+def test_a_body_that_is_no_object_says_what_it_is(http, body, kind):
+    r = post_raw(http, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_type"
+    assert "must be a JSON object" in error["message"] and f"got {kind}" in error["message"]
+    ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
