@@ -80,6 +80,8 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
     shapes = [
         Shape("one_token", 1, h, i, 8, 2),
         Shape("all_to_one_expert", 9, h, _up(32, m), 8, 1, "one_expert"),
+        # one expert's rows past a kernel tile or block (256 and fewer rows pass): 300 to one
+        Shape("all_to_one_expert_batch", 300, h, i, 8, 1, "one_expert"),
         Shape("idle_experts", 12, h, _up(48, m), 8, 2, "skip_experts"),
         Shape("zero_tokens", 0, h, i, 4, 2),
         Shape("batch", 33, _up(128, m), h, 8, 2),

@@ -73,6 +73,12 @@ def run_conformance(args) -> int:
         print("conformance: name at least one backend (see `moe-runtime plugins`)",
               file=sys.stderr)
         return 2
+    options = getattr(args, "plugin_options", None)
+    # An unknown name is one line here, not a collection error with pytest's traceback.
+    problem = _unregistered(names, options)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     argv = [suite.__file__, "-p", "moe_runtime.testing.plugin", "-q", "-rs",
             "-p", "no:cacheprovider"]
     for name in names:
@@ -81,8 +87,30 @@ def run_conformance(args) -> int:
     for case in cases:
         argv += ["--moe-conformance-case", case]
     argv += extra
-    options = getattr(args, "plugin_options", None)
     code = pytest.main(argv, plugins=[PluginOptionsForSuite(options)] if options else [])
     if code == 5:
         print("conformance: no test ran", file=sys.stderr)
     return int(code)
+
+
+def _unregistered(names, options) -> str | None:
+    from moe_runtime.plugin.manager import PluginOptions
+    from moe_runtime.plugin.registry import Registry
+    try:
+        reg = Registry.load(options=options or PluginOptions.from_environ())
+    except Exception:  # strict mode's load failure: the suite reports it as it always did
+        return None
+    return unregistered(reg, names)
+
+
+def unregistered(reg, names) -> str | None:
+    """The sentence for backend names the registry lacks (None if every one is registered)."""
+    known = set(reg.experts) | set(reg.comms)
+    unknown = [n for n in names if n not in known]
+    if not unknown:
+        return None
+    failed = [i for i in reg.plugin_infos if i.status == "failed"]
+    hint = "".join(f"\n  plugin {i.name!r} ({i.distribution}) failed to load: "
+                   f"{(i.error or '').splitlines()[0] if i.error else ''}" for i in failed)
+    return (f"conformance: backend(s) {unknown} are not registered; registered: {sorted(known)}"
+            + (f"; `moe-runtime plugins` lists these failed plugins:{hint}" if failed else ""))

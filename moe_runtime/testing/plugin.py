@@ -63,16 +63,11 @@ def _selected(metafunc) -> list[str]:
         raise pytest.UsageError(
             "the moe-runtime conformance suite needs backends to check: pass --moe-conformance "
             "NAME, set the ini option moe_conformance, or MOE_CONFORMANCE_BACKENDS in the module")
-    reg = _registry(metafunc.config)
-    known = set(reg.experts) | set(reg.comms)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        failed = [i for i in reg.plugin_infos if i.status == "failed"]
-        hint = "".join(f"\n  plugin {i.name!r} ({i.distribution}) failed to load: "
-                       f"{(i.error or '').splitlines()[0] if i.error else ''}" for i in failed)
-        raise pytest.UsageError(
-            f"conformance: backend(s) {unknown} are not registered; registered: {sorted(known)}"
-            + (f"; `moe-runtime plugins` lists these failed plugins:{hint}" if failed else ""))
+    from moe_runtime.testing.command import unregistered
+
+    problem = unregistered(_registry(metafunc.config), names)
+    if problem:
+        raise pytest.UsageError(problem)
     return names
 
 

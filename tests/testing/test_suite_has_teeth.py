@@ -38,6 +38,9 @@ LIARS = {
     "liar_masked_missing": ("RaisesOnMasked", 'Support(formats=["bf16"], '
                             'layouts=["token_major", "masked"], hardware=CPU)'),
     "liar_factory": ("NoSuchClass", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_renormalized": ("RenormalizedWeights", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_rows_past_tile": ("DropsRowsPastTile", 'Support(formats=["bf16"], '
+                            'layouts=["token_major", "masked"], hardware=CPU)'),
 }
 HONEST = ("HonestExperts", f'Support(formats={ALL}, activations=["silu", "gelu"], '
           'layouts=["token_major", "masked"], payloads=["unquantized", "fp8"], hardware=CPU)')
@@ -208,3 +211,22 @@ def test_a_factory_that_does_not_load_fails_once_with_its_reason(verdicts):
     msg = _messages(by, "liar_factory")[failed.index("liar_factory")]
     assert ("backend 'liar_factory': factory 'liar_factory.impl:NoSuchClass' does not load: "
             "module 'liar_factory.impl' has no attribute 'NoSuchClass'") in msg, msg
+
+
+def test_routing_weights_that_do_not_sum_to_one_are_sent(verdicts):
+    # a backend renormalizing the router's weights passed while every case's weights summed to 1
+    _, by = verdicts
+    assert len(by["liar_renormalized"]["failed"]) >= 10, by["liar_renormalized"]["passed"][:5]
+
+
+def test_one_expert_gets_more_rows_than_a_tile(verdicts):
+    _, by = verdicts
+    failed = by["liar_rows_past_tile"]["failed"]
+    assert failed and all("all_to_one_expert_batch" in c for c in failed), failed
+
+
+def test_an_unregistered_name_is_one_line_not_a_traceback(site):
+    r = run_cli("conformance", "no_such_backend", site=site)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "backend(s) ['no_such_backend'] are not registered; registered: [" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "ERROR collecting" not in r.stdout

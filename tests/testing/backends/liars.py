@@ -106,3 +106,29 @@ class RaisesOnMasked(ReferenceExperts):
         if d.layout == "masked":
             raise NotImplementedError("masked layout is not written yet")
         return super().forward(d)
+
+
+class RenormalizedWeights(ReferenceExperts):
+    """Renormalizes each token's routing weights to sum to 1 (a kernel's baked-in renormalize)."""
+
+    def forward(self, d):
+        if d.topk_weights is not None:
+            w = d.topk_weights
+            d = attrs.evolve(d, topk_weights=w / w.sum(-1, keepdim=True))
+        return super().forward(d)
+
+
+class DropsRowsPastTile(ReferenceExperts):
+    """An expert's rows past its 256th are dropped (a per-expert tile limit)."""
+
+    def forward(self, d):
+        if d.layout == "masked":
+            out = super().forward(d).clone()
+            out[:, 256:] = 0
+            return out
+        ids = d.topk_ids.clone()
+        flat = ids.reshape(-1)
+        for e in flat.unique().tolist():
+            if e >= 0:
+                flat[(flat == e).nonzero().flatten()[256:]] = -1
+        return super().forward(attrs.evolve(d, topk_ids=ids))
