@@ -94,8 +94,9 @@ def cmd_plugins(args) -> int:
             extra = f" runs as {s['runs_as']}" if s["runs_as"] else ""
             print(f"    formats {','.join(s['formats'])}{extra}; activations "
                   f"{','.join(s['activations'])}; layouts {','.join(s['layouts'])}; payloads "
-                  f"{','.join(s['payloads'])}; {','.join(s['devices'])} (CUDA cc "
-                  f"{s['cuda_capabilities']})"
+                  f"{','.join(s['payloads'])}; {','.join(s['devices'])}"
+                  # a compute capability is a CUDA device's: none is printed for a CPU-only block
+                  + (f" (CUDA cc {s['cuda_capabilities']})" if "cuda" in s["devices"] else "")
                   + (f"; requires {','.join(s['requires'])}" if s["requires"] else ""))
     print("communication backends:")
     for b in data["communication_backends"]:

@@ -206,6 +206,13 @@ def test_cli_plugins_lists_installed_and_broken(plugin_site):
     text = run_cli("plugins", site=plugin_site).stdout
     assert "triton [plugin triton, priority 30, CUDA graphs]" in text
     assert "reference [plugin builtin, priority 0] " in text
+    # a compute capability only for blocks that run on CUDA (cpu_dequantized's are CPU-only)
+    lines = text.splitlines()
+    cpu_only = lines[lines.index(next(x for x in lines if x.startswith("  cpu_dequantized "))) + 1]
+    assert cpu_only.endswith("payloads unquantized; cpu"), cpu_only
+    assert "CUDA cc" not in "".join(x for x in lines if x.endswith("; cpu"))
+    assert "; cpu,cuda (CUDA cc any)" in text and "; cuda (CUDA cc 8.0+); requires triton" in text
+    assert "; cuda (CUDA cc 10.0)" in text  # sm100_nvfp4
 
 
 def test_cli_plugins_blocks_with_dash_p(plugin_site):
