@@ -206,10 +206,10 @@ class _Server:
             vocab = self.engine.loaded.model.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise invalid(f"token ids must lie in [0, {vocab}); got {clip(bad[:3])}", "prompt")
+                raise invalid(f"token ids must lie in [0, {vocab}); got {clip(bad[:3])}", "prompt", "invalid_value")
             ids = list(prompt)
         if not ids:
-            raise invalid("the prompt is empty", "prompt")
+            raise invalid("the prompt is empty", "prompt", "invalid_value")
         return ids
 
     def _sampling(self, req, choice: int = 0) -> SamplingParams:
@@ -240,7 +240,7 @@ class _Server:
         bad = [t for t in req.stop_token_ids or () if t >= vocab]
         if bad:
             raise invalid(f"stop_token_ids must lie in [0, {vocab}) (the vocabulary); got "
-                          f"{clip(bad[:3])}", "stop_token_ids")
+                          f"{clip(bad[:3])}", "stop_token_ids", "invalid_value")
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))

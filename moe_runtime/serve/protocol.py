@@ -70,7 +70,9 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    """A 400: a client's request that this server refuses; ``code`` is never null (clients
+    branch on it), ``invalid_value`` unless a more specific one applies."""
     return APIError(400, message, param=param, code=code)
 
 
@@ -320,7 +322,7 @@ class _Request(BaseModel):
         if self.min_tokens and self.requested_max_tokens is not None and (
                 self.min_tokens > self.requested_max_tokens):
             raise invalid(f"min_tokens ({clip(self.min_tokens)}) must not exceed max_tokens "
-                          f"({clip(self.requested_max_tokens)})", "min_tokens")
+                          f"({clip(self.requested_max_tokens)})", "min_tokens", "invalid_value")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -409,10 +411,10 @@ class CompletionRequest(_Request):
         batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
         if len(batch) > MAX_PROMPTS:
             raise invalid(f"at most {MAX_PROMPTS} prompts per request are accepted, got "
-                          f"{len(batch)}", "prompt")
+                          f"{len(batch)}", "prompt", "invalid_value")
         for one in batch:
             if len(one) == 0:
-                raise invalid("the prompt is empty", "prompt")
+                raise invalid("the prompt is empty", "prompt", "invalid_value")
         return batch
 
     @property
@@ -531,7 +533,7 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
-            raise invalid("messages must not be empty", "messages")
+            raise invalid("messages must not be empty", "messages", "empty_array")
         _check_response_format(self.response_format)
         if self.top_logprobs_ and not self.logprobs:  # 0 asks for nothing: served (as vLLM)
             raise invalid(f"top_logprobs={self.top_logprobs_} needs logprobs set to true; "
@@ -552,7 +554,7 @@ class ChatCompletionRequest(_Request):
                           "writes the special tokens; accepted: false", "add_special_tokens",
                           "unsupported_parameter")
         if all(not m.text() for m in self.messages):
-            raise invalid("the messages have no content", "messages")
+            raise invalid("the messages have no content", "messages", "invalid_value")
 
     @property
     def top_logprobs(self) -> int | None:

@@ -31,3 +31,30 @@ def test_a_body_that_is_no_object_says_what_it_is(http, body, kind):
     assert "must be a JSON object" in error["message"] and f"got {kind}" in error["message"]
     ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "", "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [10**9]},
+     "stop_token_ids"),
+    ("/v1/completions", {"prompt": ["hi"] * 65, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "max_tokens": 1},
+     "messages"),
+])
+def test_every_400_has_a_code(http, route, body, param):
+    r = http.post(route, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["code"] in ({"empty_array"} if body.get("messages") == [] else {"invalid_value"})
+
+
+def test_the_openai_client_sees_the_code_of_an_empty_prompt(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=client.models.list().data[0].id, prompt="", max_tokens=1)
+    assert info.value.code == "invalid_value"
