@@ -272,6 +272,10 @@ class _Request(BaseModel):
     def _stop_list(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if v == "" or (isinstance(v, list) and "" in v):
+            # an empty string matches everywhere or nowhere: never a stop a client meant
+            raise PydanticCustomError("empty_stop", "a stop sequence must not be the empty "
+                                      "string; accepted: non-empty strings (or null for none)")
         return v
 
     @field_validator("stop_token_ids")

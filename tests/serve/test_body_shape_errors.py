@@ -58,3 +58,18 @@ def test_the_openai_client_sees_the_code_of_an_empty_prompt(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=client.models.list().data[0].id, prompt="", max_tokens=1)
     assert info.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["\n", ""]])
+def test_an_empty_stop_string_is_refused_naming_the_field(http, client, stop):
+    import openai
+
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stop": stop})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stop" and error["code"] == "invalid_value"
+    assert "empty string" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=1,
+                                       messages=[{"role": "user", "content": "hi"}], stop=stop)
+    assert info.value.param == "stop"
