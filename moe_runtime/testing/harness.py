@@ -55,6 +55,10 @@ def _reference_format(registry: Registry | None, fmt: str) -> str:
     return F.builtin_twin(registry.formats[fmt].spec)
 
 
+# The gelu_tail case's gates: centre, spread (of the random part) and the constant input column.
+GELU_TAIL_CENTRE, GELU_TAIL_SPREAD, GELU_TAIL_INPUT = -3.5, 0.2, 2.0
+
+
 def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | None = None):
     """Random float weights and inputs for a case, quantized to the case's format's storage."""
     from moe_runtime.reference_math import quantize_expert_weights
@@ -64,6 +68,12 @@ def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | Non
     w13 = torch.randn((e, 2 * i, h), generator=gen) / h**0.5
     w2 = torch.randn((e, h, i), generator=gen) / i**0.5
     hidden = torch.randn((s.tokens, h), generator=gen)
+    if s.gates == "gelu_tail":
+        # gate = -3.5 + about N(0, 0.2^2): a constant input column and a gate weight on it carry
+        # the offset, the others the spread (up keeps its N(0, 1))
+        hidden[:, 0] = GELU_TAIL_INPUT
+        w13[:, :i] *= GELU_TAIL_SPREAD
+        w13[:, :i, 0] = GELU_TAIL_CENTRE / GELU_TAIL_INPUT
     a13_amax = hidden.abs().max() if s.tokens else torch.tensor(1.0)
     a13_amax = torch.maximum(a13_amax, torch.tensor(1e-3))
     gate, up = torch.einsum("nh,eoh->eno", hidden, w13).split(i, dim=-1)

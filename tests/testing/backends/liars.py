@@ -132,3 +132,25 @@ class DropsRowsPastTile(ReferenceExperts):
             if e >= 0:
                 flat[(flat == e).nonzero().flatten()[256:]] = -1
         return super().forward(attrs.evolve(d, topk_ids=ids))
+
+
+class TanhGelu(ReferenceExperts):
+    """GELU by its tanh approximation, where the declaration promises the exact (erf) GELU."""
+
+    def forward(self, d):
+        import torch.nn.functional as F_nn
+
+        from moe_runtime import reference_math
+
+        exact = reference_math._activate
+
+        def tanh_gelu(gate, activation):
+            if activation == "gelu":
+                return F_nn.gelu(gate, approximate="tanh")
+            return exact(gate, activation)
+
+        reference_math._activate = tanh_gelu
+        try:
+            return super().forward(d)
+        finally:
+            reference_math._activate = exact
