@@ -717,6 +717,9 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
+    # Starlette answers a path with a trailing slash by a 307 to a Location built from the
+    # client's Host header (an open redirect): such a path is unknown, a 404 like any other
+    app.router.redirect_slashes = False
     app.add_middleware(_Guard, server=server)
     if cors is not None:  # outermost: a preflight needs no API key
         from starlette.middleware.cors import CORSMiddleware

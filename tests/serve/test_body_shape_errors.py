@@ -73,3 +73,13 @@ def test_an_empty_stop_string_is_refused_naming_the_field(http, client, stop):
         client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=1,
                                        messages=[{"role": "user", "content": "hi"}], stop=stop)
     assert info.value.param == "stop"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions/", "/v1/chat/completions/"])
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(http, path):
+    r = http.post(path, json={"prompt": "hi", "max_tokens": 1},
+                  headers={"Host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404, r.text
+    assert "location" not in r.headers
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and f"no route POST {path}" in error["message"]
