@@ -458,7 +458,8 @@ _PART_TEXT = {"text": "text", "refusal": "refusal"}  # content part type -> its 
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # an unknown key is a 400 naming it (as an unknown top-level field is), not dropped
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
@@ -468,6 +469,9 @@ class ChatMessage(BaseModel):
     audio: Any = None
     refusal: str | None = None
     reasoning_content: str | None = None  # vLLM's and SGLang's; Qwen3's template reads it
+    # what the openai client sends back of an earlier answer's message (model_dump())
+    tool_call_id: str | None = None
+    annotations: list[Any] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -633,6 +637,10 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         param = ".".join(loc) or None
         if err["type"] == "missing":
             message = f"missing required parameter: {param!r}"
+        elif err["type"] == "extra_forbidden" and loc[0] == "messages" and len(loc) == 3:
+            accepted = ", ".join(ChatMessage.model_fields)
+            raise invalid(f"unknown key {clip(loc[2], 80, quoted=True)} in {loc[0]}[{loc[1]}]; "
+                          f"a message accepts: {accepted}", param, "unknown_field") from None
         elif err["type"] == "extra_forbidden" and loc[0] in _NESTED:
             accepted = ", ".join(_NESTED[loc[0]].model_fields)
             message = f"unknown field {param!r}; {loc[0]} accepts: {accepted}"

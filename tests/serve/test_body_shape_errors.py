@@ -83,3 +83,20 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(http, path)
     assert "location" not in r.headers
     error = r.json()["error"]
     assert error["code"] == "not_found" and f"no route POST {path}" in error["message"]
+
+
+def test_an_unknown_key_in_a_message_is_refused_naming_it(http, client):
+    body = {"messages": [{"role": "user", "content": "x", "foo": 1}], "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unknown_field" and error["param"] == "messages.0.foo"
+    assert "'foo'" in error["message"] and "role, content, name" in error["message"]
+    # what the openai client sends back of its own answer is still accepted
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}])
+    back = answer.choices[0].message.model_dump()
+    again = client.chat.completions.create(model=model, max_tokens=1, messages=[
+        {"role": "user", "content": "hi"}, back, {"role": "user", "content": "more"}])
+    assert again.choices
