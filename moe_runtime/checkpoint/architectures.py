@@ -150,10 +150,115 @@ def _mha_cache(f: _Fields) -> AttentionCache:
     heads, kv_heads = _heads(f)
     size = f.int("head_dim", default=f.int("hidden_size", minimum=1) // heads, minimum=1)
     layer_types = f.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise CheckpointError(f"{f.file}: {f._key('layer_types')} is {layer_types!r}; expected a "
+                              "list of layer types ('full_attention', 'sliding_attention'...)")
     sliding = (f.get("sliding_window") is not None and f.bool("use_sliding_window", True)
                if not layer_types else "sliding_attention" in layer_types)
     return AttentionCache(kv_heads, size, size, sliding_window=sliding,
                           recurrent_layers="linear_attention" in layer_types)
+
+
+@attrs.frozen
+class AttentionTensors:
+    """The shapes transformers' attention of an architecture gives its tensors, from config.json.
+
+    :param shapes: ``(tensor, shape, how)`` per tensor inside a decoder layer's ``self_attn``
+        (``"q_proj.weight"``): a linear weight's shape is ``[out, in]`` in elements, before any
+        packing of a quantized format; ``how`` says, for people, which fields give it.
+    :param head_dim: the head size the attention uses, and how it was found
+        (``"head_dim 16"``, or ``"hidden_size 64 / num_attention_heads 4 = 16 (no head_dim)"``);
+        ``None`` where the attention has no single head size (multi-head latent attention).
+    :param heads: query heads (what ``o_proj``'s input is a multiple of).
+    """
+
+    shapes: tuple[tuple[str, tuple[int, ...], str], ...] = attrs.field(converter=tuple)
+    head_dim: tuple[int, str] | None = None
+    heads: int = 1
+
+
+def _head_dim(f: _Fields, *, null_derived: bool, default: int | None = None) -> tuple[int, str]:
+    """The head size as transformers' attention reads it: config.json's ``head_dim``, else the
+    config class's default (``default``; Qwen3-Next's is 256), else ``hidden_size //
+    num_attention_heads``. An explicit null is derived the same way where the
+    attention reads ``getattr(config, "head_dim", None) or ...`` (``null_derived``); the others
+    read ``getattr(config, "head_dim", hidden_size // heads)``, which takes the null itself, and
+    building the model fails."""
+    heads = f.int("num_attention_heads", minimum=1)
+    if "head_dim" in f.data and f.data["head_dim"] is None and not null_derived:
+        raise CheckpointError(
+            f"{f.file}: {f._key('head_dim')} is null, which transformers' attention of this "
+            "architecture takes as the head size itself (building the model fails); accepted: a "
+            "positive integer, or no 'head_dim' key (then hidden_size / num_attention_heads)")
+    if f.has("head_dim"):
+        size = f.int("head_dim", minimum=1)
+        return size, f"{f._key('head_dim')} {size}"
+    if default is not None:
+        return default, f"head_dim {default} (no head_dim: the config class's default)"
+    hidden = f.int("hidden_size", minimum=1)
+    return hidden // heads, (f"{f._key('hidden_size')} {hidden} / {f._key('num_attention_heads')} "
+                             f"{heads} = {hidden // heads} (no head_dim)")
+
+
+def _mha_tensors(*, null_head_dim: bool, gated_query: bool = False,
+                 default_head_dim: int | None = None) -> Callable[[_Fields], AttentionTensors]:
+    """Multi-head / grouped-query attention: ``q_proj [heads x head_dim, hidden]`` (twice that
+    with ``gated_query``: Qwen3-Next's output gate), ``k_proj`` and ``v_proj [kv_heads x
+    head_dim, hidden]``, ``o_proj [hidden, heads x head_dim]``, their biases, and the per-head
+    ``q_norm``/``k_norm [head_dim]``."""
+
+    def tensors(f: _Fields) -> AttentionTensors:
+        heads, kv_heads = _heads(f)
+        hidden = f.int("hidden_size", minimum=1)
+        size, size_from = _head_dim(f, null_derived=null_head_dim, default=default_head_dim)
+        gate = 2 if gated_query else 1
+        q = (heads * size * gate,
+             f"num_attention_heads {heads} x head size {size}" + (" x 2" if gated_query else ""))
+        kv = (kv_heads * size, f"num_key_value_heads {kv_heads} x head size {size}")
+        o_in = (heads * size, f"num_attention_heads {heads} x head size {size}")
+        h = (hidden, f"hidden_size {hidden}")
+        rows = []
+        for name, out, inp in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h),
+                               ("o_proj", h, o_in)):
+            rows.append((f"{name}.weight", (out[0], inp[0]), f"[{out[1]}, {inp[1]}]"))
+            rows.append((f"{name}.bias", (out[0],), f"[{out[1]}]"))
+        rows += [(f"{n}.weight", (size,), f"[head size {size}]") for n in ("q_norm", "k_norm")]
+        return AttentionTensors(rows, (size, size_from), heads)
+
+    return tensors
+
+
+def _mla_tensors(f: _Fields) -> AttentionTensors:
+    """Multi-head latent attention as transformers builds it (DeepseekV3Attention, with
+    DeepseekV3Config's defaults): config.json's ``head_dim`` is not read (the config class sets
+    it to ``qk_rope_head_dim``)."""
+    heads, _ = _heads(f)
+    hidden = f.int("hidden_size", minimum=1)
+    nope = f.int("qk_nope_head_dim", default=128)
+    rope = f.int("qk_rope_head_dim", default=64)
+    v = f.int("v_head_dim", default=128, minimum=1)
+    kv_rank = f.int("kv_lora_rank", default=512, minimum=1)
+    q_rank = f.int("q_lora_rank", default=1536, minimum=1) if (
+        "q_lora_rank" not in f.data or f.has("q_lora_rank")) else None
+    qk = (heads * (nope + rope),
+          f"num_attention_heads {heads} x (qk_nope_head_dim {nope} + qk_rope_head_dim {rope})")
+    h = f"hidden_size {hidden}"
+    rows = []
+    if q_rank is None:
+        rows.append(("q_proj.weight", (qk[0], hidden), f"[{qk[1]}, {h}]"))
+    else:
+        rows += [("q_a_proj.weight", (q_rank, hidden), f"[q_lora_rank {q_rank}, {h}]"),
+                 ("q_a_layernorm.weight", (q_rank,), f"[q_lora_rank {q_rank}]"),
+                 ("q_b_proj.weight", (qk[0], q_rank), f"[{qk[1]}, q_lora_rank {q_rank}]")]
+    rows += [("kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden),
+              f"[kv_lora_rank {kv_rank} + qk_rope_head_dim {rope}, {h}]"),
+             ("kv_a_layernorm.weight", (kv_rank,), f"[kv_lora_rank {kv_rank}]"),
+             ("kv_b_proj.weight", (heads * (nope + v), kv_rank),
+              f"[num_attention_heads {heads} x (qk_nope_head_dim {nope} + v_head_dim {v}), "
+              f"kv_lora_rank {kv_rank}]"),
+             ("o_proj.weight", (hidden, heads * v),
+              f"[{h}, num_attention_heads {heads} x v_head_dim {v}]")]
+    return AttentionTensors(rows, None, heads)
 
 
 def _mla_cache(f: _Fields) -> AttentionCache:
@@ -261,6 +366,8 @@ class Architecture:
         one that is not is refused at start-up with :attr:`serve_refusal`.
     :param model_types: the config.json ``model_type`` values transformers maps to this class
         (it picks the config class by ``model_type``, the model class by ``architectures``).
+    :param attention: the shapes its attention tensors take, from config.json (the head size
+        as transformers' attention of the architecture derives it).
     """
 
     name: str
@@ -274,6 +381,7 @@ class Architecture:
     served: bool = True
     serve_refusal: str = ""
     model_types: tuple[str, ...] = ()
+    attention: Callable[[_Fields], AttentionTensors] = _mha_tensors(null_head_dim=False)
 
     def experts_name(self, prefix: str, index: int) -> str:
         return f"{prefix}layers.{index}.{self.block}.experts"
@@ -289,6 +397,9 @@ class Architecture:
     def attention_cache(self, config: dict[str, Any], file: str) -> AttentionCache:
         return self.cache(self._fields(config, file))
 
+    def attention_tensors(self, config: dict[str, Any], file: str) -> AttentionTensors:
+        return self.attention(self._fields(config, file))
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
@@ -299,19 +410,27 @@ ARCHITECTURES: dict[str, Architecture] = {
                      _qwen_moe(shared=True, norm_topk_default=False), model_types=("qwen2_moe",)),
         Architecture("Qwen3NextForCausalLM", "Qwen3-Next", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=True, norm_topk_default=True),
-                     served=False, serve_refusal=_LINEAR_ATTENTION, model_types=("qwen3_next",)),
+                     served=False, serve_refusal=_LINEAR_ATTENTION, model_types=("qwen3_next",),
+                     attention=_mha_tensors(null_head_dim=False, gated_query=True,
+                                            default_head_dim=256)),
         Architecture("Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE", "model.language_model.",
                      "mlp", GATE_UP_DOWN, _qwen_moe(shared=True, norm_topk_default=None),
                      text_config=True, served=False, serve_refusal=_LINEAR_ATTENTION,
-                     model_types=("qwen3_5_moe",)),
+                     model_types=("qwen3_5_moe",),
+                     attention=_mha_tensors(null_head_dim=False, gated_query=True,
+                                            default_head_dim=256)),
         Architecture("Qwen3_5MoeForCausalLM", "Qwen3.5-MoE", "model.", "mlp", GATE_UP_DOWN,
                      _qwen_moe(shared=True, norm_topk_default=None), text_config=True,
                      served=False, serve_refusal=_LINEAR_ATTENTION,
-                     model_types=("qwen3_5_moe", "qwen3_5_moe_text")),
+                     model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+                     attention=_mha_tensors(null_head_dim=False, gated_query=True,
+                                            default_head_dim=256)),
         Architecture("MixtralForCausalLM", "Mixtral", "model.", "block_sparse_moe",
-                     MIXTRAL_NAMES, _mixtral, model_types=("mixtral",)),
+                     MIXTRAL_NAMES, _mixtral, model_types=("mixtral",),
+                     attention=_mha_tensors(null_head_dim=True)),
         Architecture("DeepseekV3ForCausalLM", "DeepSeek-V3", "model.", "mlp", GATE_UP_DOWN,
-                     _deepseek_v3, cache=_mla_cache, model_types=("deepseek_v3",)),
+                     _deepseek_v3, cache=_mla_cache, model_types=("deepseek_v3",),
+                     attention=_mla_tensors),
     )
 }
 

@@ -9,6 +9,9 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
    integers and its query heads split evenly over the key/value heads, and its routing can be
    done: ``num_experts_per_tok`` at most the experts; with grouped top-k, ``n_group`` divides the
    experts, ``topk_group`` is at most ``n_group`` and the kept groups hold the top-k experts;
+   the special token ids (``eos_token_id``, ``bos_token_id``, ``pad_token_id``) of config.json
+   and generation_config.json are token ids of the vocabulary; ``sliding_window`` is null or a
+   window of at least one token (0 only where no layer attends over a window);
 4. the quantization config reads; config.json and hf_quant_config.json agree on every setting
    both state; every group size stated is its format's block size;
 5. every safetensors header is well formed: known dtypes, each tensor's bytes inside its file and
@@ -21,7 +24,9 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
    in its resolved format's dtype with that format's scales; the embeddings, the final norm, each
    declared layer's two norms and (untied) ``lm_head.weight`` exist, and in a served family every
    decoder layer stores the module weights and biases the other layers of its kind (MoE, dense)
-   store;
+   store; the attention tensors have the shapes transformers' attention builds from config.json
+   (its head size derived as the architecture's attention derives it:
+   :meth:`~moe_runtime.checkpoint.architectures.Architecture.attention_tensors`);
 7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
    the weights), timed;
 8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine: the
@@ -49,6 +54,7 @@ from moe_runtime import formats
 from moe_runtime.checkpoint.architectures import (
     MAX_LAYERS,
     Architecture,
+    AttentionCache,
     MoEStructure,
     architecture_of,
 )
@@ -75,6 +81,7 @@ from moe_runtime.checkpoint.tensors import (
     INDEX_FILE,
     HeaderError,
     TensorMeta,
+    _short,
     header_entry_problem,
     layout_problem,
     read_header,
@@ -95,6 +102,9 @@ _SIZE_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention
 _NOT_NULL_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "max_position_embeddings")
 _SCALE_LEAF = re.compile(r"(?:^|_)scale(?:_\d+)?$")
+GENERATION_CONFIG = "generation_config.json"
+# special token ids the model and generation read; eos_token_id alone may list several
+_TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id")
 _LISTED = 3  # tensors named in one finding before "and N more"
 
 
@@ -332,6 +342,7 @@ class _Check:
         self.config_only = False
         self.findings: list[Finding] = []
         self.config: dict | None = None
+        self.generation_config: dict | None = None
         self.tensors: dict[str, TensorMeta] = {}
         self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
         self.duplicates: list[tuple[str, str, str]] = []  # (tensor, first file, second file)
@@ -426,6 +437,8 @@ class _Check:
                 continue
             if p.name == CONFIG:
                 self.config = data
+            elif p.name == GENERATION_CONFIG:
+                self.generation_config = data
 
     # ------------------------------------------------------------------ 3. config and routing
 
@@ -443,13 +456,17 @@ class _Check:
             self.add("config", file, "declares no MoE layer",
                      "a MoE model (at least one layer with routed experts)")
         self._model_type(arch, file)
+        cache = None
         try:  # the attention's fields, which the KV cache and the attention tensors follow
-            arch.attention_cache(self.config, file)
+            cache = arch.attention_cache(self.config, file)
+            arch.attention_tensors(self.config, file)
         except CheckpointError as exc:
             self.add_error("config", exc)
         fields = self._model_fields()
         self._sizes(fields, file)
         self._constants(fields, file)
+        self._token_ids(fields, file)
+        self._sliding_window(fields, file, cache)
         experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                             if fields.get(k) is not None), "num_experts")
         for s in structures[:1]:  # every MoE layer of a config shares these fields
@@ -534,6 +551,51 @@ class _Check:
                 continue  # absent, or of a type transformers' config class refuses itself
             if not math.isfinite(value) or (value < low if low is not None else value <= 0):
                 self.add("config", file, f"{where}{label} is {value!r}", accepted)
+
+    def _token_ids(self, fields: dict, file: str) -> None:
+        """The special token ids are token ids: transformers' config class refuses a string or a
+        float but takes a bool, an empty list or an id outside the vocabulary with at most a
+        warning, and the server then stops on no token, or on one the model never produces (a
+        ``pad_token_id`` outside the vocabulary fails building the embeddings)."""
+        vocab = fields.get("vocab_size")
+        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 \
+            else None
+        where = "text_config." if fields is not self.config else ""
+        holders = [(file, "", self.config or {})]
+        if where:
+            holders.append((file, where, fields))
+        if self.generation_config is not None:
+            holders.append((str(self.folder / GENERATION_CONFIG), "", self.generation_config))
+        for holder_file, prefix, holder in holders:
+            for key in _TOKEN_IDS:
+                found = token_id_problem(key, holder.get(key), vocab)
+                if found:
+                    problem, accepted = found
+                    self.add("config", holder_file, f"{prefix}{key} is "
+                             f"{_short(holder.get(key))}{problem}", accepted)
+
+    def _sliding_window(self, fields: dict, file: str, cache: AttentionCache | None) -> None:
+        """``sliding_window`` is null or a number of tokens: transformers' config class takes a
+        negative one (and 0) as given, and where the window applies its attention mask then fails
+        to build at the first request (0: every query would attend to no token at all). A 0
+        where no layer attends over a window is what Qwen2-MoE's config class itself writes."""
+        value = fields.get("sliding_window")
+        if value is None:
+            return
+        where = "text_config." if fields is not self.config else ""
+        accepted = ("a positive integer (the tokens each query attends back over), or null "
+                    "(no window)")
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.add("config", file, f"{where}sliding_window is {_short(value)}, not a number "
+                     "of tokens", accepted)
+        elif value < 0:
+            self.add("config", file, f"{where}sliding_window is {value}: a window cannot hold "
+                     "a negative number of tokens", accepted)
+        elif value == 0 and cache is not None and cache.sliding_window:
+            self.add("config", file, f"{where}sliding_window is 0, and the model attends over "
+                     f"a sliding window ({cache.describe()}): a window of 0 tokens leaves each "
+                     "query no token to attend to, and transformers' attention mask fails to "
+                     "build", accepted + ", or use_sliding_window false")
 
     _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -786,7 +848,80 @@ class _Check:
             self.add_error("quantization", exc)
             linears = []
         self._linears(linears)
+        self._attention_shapes(arch, prefix, linears)
         return layers
+
+    def _attention_shapes(self, arch: Architecture, prefix: str, linears) -> None:
+        """Each decoder layer's attention tensors have the shapes transformers' attention builds
+        from config.json (:meth:`Architecture.attention_tensors`: the head size derived as its
+        attention derives it); otherwise loading refuses the first such tensor after the check
+        passed."""
+        file = str(self.folder / CONFIG)
+        try:
+            expected = arch.attention_tensors(self.config, file)
+        except CheckpointError:
+            return  # reported by check_config
+        declared = self._model_fields().get("num_hidden_layers")
+        if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
+            return
+        formats_of = {module: quant.format for module, quant in linears}
+        stored: dict[str, tuple[int, ...]] = {}  # tensor -> its shape in elements
+        wrong: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = []
+        for i in range(min(declared, MAX_LAYERS)):
+            for leaf, shape, how in expected.shapes:
+                name = f"{prefix}layers.{i}.self_attn.{leaf}"
+                meta = self.tensors.get(name)
+                if meta is None:
+                    continue  # a missing tensor is reported by the rules above
+                elements = tuple(meta.shape)
+                if leaf.endswith(".weight") and len(elements) == 2 and len(shape) == 2:
+                    layout = LAYOUTS.get(formats_of.get(name[: -len(".weight")], ""))
+                    if layout is not None and meta.dtype not in layout.weight_dtypes:
+                        continue  # stored in another format than resolved: _linears says so
+                    elements = (elements[0], elements[1] * (layout.pack if layout else 1))
+                stored[name] = elements
+                if elements != tuple(shape):
+                    wrong.append((name, elements, tuple(shape), how))
+        if not wrong:
+            return
+        name, elements, shape, how = wrong[0]
+        meta = self.tensors[name]
+        packed = (f" (stored {list(meta.shape)}, {meta.dtype} packed)"
+                  if list(meta.shape) != list(elements) else "")
+        size = (f", the head size from {expected.head_dim[1]}" if expected.head_dim else "")
+        self.add("tensors", file,
+                 f"tensor {name!r} of {meta.file} holds {list(elements)}"
+                 + (" ([out, in] elements)" if len(elements) == 2 else "") +
+                 f"{packed}, but transformers builds it as {list(shape)} = {how}{size}"
+                 + _more(len(wrong) - 1, "tensor") + "; loading would refuse the tensor",
+                 self._attention_remedy(arch, expected, stored))
+
+    def _attention_remedy(self, arch: Architecture, expected, stored: dict) -> str:
+        """What to change: the head_dim the stored tensors hold, where one value fits them all."""
+        fallback = ("config.json attention sizes (num_attention_heads, num_key_value_heads, "
+                    "head_dim, hidden_size) that give the stored tensors' shapes")
+        if expected.head_dim is None or not expected.heads:
+            return fallback
+        o_in = [shape[1] for name, shape in stored.items() if name.endswith(".o_proj.weight")]
+        if not o_in or o_in[0] % expected.heads:
+            return fallback
+        candidate = o_in[0] // expected.heads
+        config = dict(self.config or {})
+        nested = arch.text_config and isinstance(config.get("text_config"), dict)
+        if nested:
+            config["text_config"] = {**config["text_config"], "head_dim": candidate}
+        else:
+            config["head_dim"] = candidate
+        try:
+            fitted = {leaf: tuple(shape) for leaf, shape, _ in
+                      arch.attention_tensors(config, "config.json").shapes}
+        except CheckpointError:
+            return fallback
+        if all(fitted.get(name.split(".self_attn.", 1)[1]) == shape
+               for name, shape in stored.items()):
+            where = "text_config." if nested else ""
+            return f"{where}head_dim {candidate} (what the stored attention tensors hold)"
+        return fallback
 
     def _named_modules_exist(self, spec: QuantizationSpec) -> None:
         if not spec.quantized_layers:
@@ -1147,6 +1282,34 @@ def _few(items: list[str]) -> str:
         return "nothing"
     shown = ", ".join(repr(x) for x in items[:_LISTED])
     return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
+
+
+def token_id_problem(key: str, value: Any, vocab_size: int | None) -> tuple[str, str] | None:
+    """``(what is wrong, accepted)`` for a special token id (``eos_token_id``...) of config.json
+    or generation_config.json, or ``None``: null or absent, or an integer in ``[0, vocab_size)``
+    (``eos_token_id`` also a non-empty list of them; an unknown ``vocab_size``: any integer
+    >= 0). ``what is wrong`` follows the value in a sentence."""
+    if value is None:
+        return None
+    several = key == "eos_token_id"
+    bound = (f"an integer from 0 to {vocab_size - 1} (the vocabulary's {vocab_size} tokens)"
+             if vocab_size else "an integer >= 0")
+    accepted = (f"{bound}, a non-empty list of such integers, or null" if several
+                else f"{bound}, or null")
+    if several and isinstance(value, list):
+        if not value:
+            return ": an empty list names no token to stop on", accepted
+        ids = value
+    else:
+        ids = [value]
+    for v in ids:
+        which = f": its {_short(v)} is" if ids is value else ","
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{which} no token id ({type(v).__name__}, not an integer)", accepted
+        if v < 0 or (vocab_size is not None and v >= vocab_size):
+            vocabulary = f" of {vocab_size} tokens (vocab_size)" if vocab_size else ""
+            return f"{which} outside the vocabulary{vocabulary}", accepted
+    return None
 
 
 def _tensor_problem(meta: TensorMeta | None, dtypes: tuple, shape) -> tuple[str, str] | None:

@@ -723,3 +723,166 @@ def test_an_unknown_rope_type_is_refused_naming_the_known_ones(damaged, capsys):
                                "'default'", "'yarn'"])
     test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
         damage, damaged, capsys)
+
+
+# ------------------------------------------- special token ids, head_dim and sliding_window
+# Found by testers: each passed check and plan, and serve then refused the checkpoint at load
+# (a head_dim its attention tensors do not have), failed at the first request (a sliding window
+# of 0 or fewer tokens), or stopped on no token (an eos_token_id outside the vocabulary).
+
+
+def set_generation_config(**fields):
+    return edit_json("generation_config.json", lambda d: d.update(fields))
+
+
+_EOS_ACCEPTED = ("an integer from 0 to 255", "a non-empty list of such integers, or null")
+_WINDOW_ACCEPTED = "a positive integer (the tokens each query attends back over), or null"
+
+CONFIG_VALUE_DAMAGES = [
+    *[Damage(f"eos_token_id_{label}", "qwen3_fp8", set_config(eos_token_id=value), "config",
+             ["config.json", f"eos_token_id is {said}", problem, *_EOS_ACCEPTED])
+      for label, value, said, problem in (
+          ("a_string", "x", "'x'", "no token id (str"),
+          ("a_float", 1.5, "1.5", "no token id (float"),
+          ("a_bool", True, "True", "no token id (bool"),
+          ("an_empty_list", [], "[]", "names no token"),
+          ("the_vocab_size", 256, "256", "outside the vocabulary of 256 tokens"),
+          ("negative", -1, "-1", "outside the vocabulary"),
+          ("a_list_with_one_outside", [1, 300], "[1, 300]", "its 300 is outside the vocabulary"),
+          ("a_list_with_a_string", [1, "2"], "[1, '2']", "its '2' is no token id"))],
+    Damage("generation_config_eos_token_id_a_string", "qwen3_fp8",
+           set_generation_config(eos_token_id="x"), "config",
+           ["generation_config.json", "eos_token_id is 'x'", "no token id", *_EOS_ACCEPTED]),
+    Damage("generation_config_eos_token_id_outside_the_vocabulary", "mixtral_nvfp4",
+           set_generation_config(eos_token_id=1000), "config",
+           ["generation_config.json", "eos_token_id is 1000", "outside the vocabulary",
+            *_EOS_ACCEPTED]),
+    Damage("generation_config_pad_token_id_negative", "qwen3_fp8",
+           set_generation_config(pad_token_id=-5), "config",
+           ["generation_config.json", "pad_token_id is -5", "outside the vocabulary",
+            "an integer from 0 to 255 (the vocabulary's 256 tokens), or null"]),
+    Damage("bos_token_id_outside_the_vocabulary", "deepseek_fp8", set_config(bos_token_id=999),
+           "config", ["config.json", "bos_token_id is 999", "outside the vocabulary",
+                      "an integer from 0 to 255"]),
+    Damage("pad_token_id_a_list", "qwen3_fp8", set_config(pad_token_id=[0]), "config",
+           ["config.json", "pad_token_id is [0]", "no token id (list",
+            "an integer from 0 to 255 (the vocabulary's 256 tokens), or null"]),
+    # head_dim: transformers builds q/k/v/o_proj (and Qwen3's q_norm/k_norm) from it
+    Damage("head_dim_larger_than_the_attention_tensors", "qwen3_fp8", set_config(head_dim=32),
+           "tensors", ["config.json", "'model.layers.0.self_attn.q_proj.weight'", "[64, 64]",
+                       "[128, 64]", "num_attention_heads 4 x head size 32",
+                       "the head size from head_dim 32", "loading would refuse",
+                       "accepted: head_dim 16"]),
+    Damage("head_dim_smaller_than_packed_attention_tensors", "mixtral_nvfp4",
+           set_config(head_dim=8), "tensors",
+           ["config.json", "'model.layers.0.self_attn.q_proj.weight'", "U8 packed", "[32, 64]",
+            "head_dim 8", "accepted: head_dim 16"]),
+    Damage("no_head_dim_and_hidden_over_heads_disagrees", "qwen3_fp8",
+           edit_json("config.json", lambda d: d.update(num_attention_heads=2,
+                                                       num_key_value_heads=1)
+                     or d.pop("head_dim")), "tensors",
+           # q/k/v/o_proj's products still agree (2 x 32 = 4 x 16): the per-head norms do not
+           ["config.json", "'model.layers.0.self_attn.q_norm.weight'", "holds [16], but",
+            "[32] = [head size 32]", "hidden_size 64 / num_attention_heads 2 = 32 (no head_dim)",
+            "num_attention_heads, num_key_value_heads, head_dim, hidden_size"]),
+    Damage("head_dim_null_where_the_attention_takes_it_as_given", "qwen3_fp8",
+           set_config(head_dim=None), "config",
+           ["config.json", "head_dim is null", "no 'head_dim' key"]),
+    # sliding_window
+    Damage("sliding_window_negative", "qwen3_fp8", set_config(sliding_window=-1), "config",
+           ["config.json", "sliding_window is -1", "negative", _WINDOW_ACCEPTED]),
+    Damage("sliding_window_a_float", "mixtral_nvfp4", set_config(sliding_window=4096.5),
+           "config", ["config.json", "sliding_window is 4096.5", "not a number of tokens",
+                      _WINDOW_ACCEPTED]),
+    Damage("sliding_window_a_string", "qwen3_fp8", set_config(sliding_window="4096"),
+           "config", ["config.json", "sliding_window is '4096'", _WINDOW_ACCEPTED]),
+    Damage("sliding_window_zero_where_it_applies", "mixtral_nvfp4", set_config(sliding_window=0),
+           "config", ["config.json", "sliding_window is 0", "no token to attend to",
+                      _WINDOW_ACCEPTED]),
+    Damage("layer_types_not_a_list", "qwen3_fp8", set_config(layer_types=-1), "config",
+           ["config.json", "layer_types is -1", "expected a list of layer types"]),
+    Damage("sliding_window_zero_with_use_sliding_window", "qwen3_fp8",
+           set_config(sliding_window=0, use_sliding_window=True), "config",
+           ["config.json", "sliding_window is 0", "use_sliding_window false"]),
+]
+
+
+@pytest.mark.parametrize("damage", CONFIG_VALUE_DAMAGES, ids=lambda d: d.id)
+def test_special_token_ids_head_dim_and_sliding_window_out_of_range_are_refused(
+        damage, damaged, capsys):
+    test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys)
+
+
+@pytest.mark.parametrize("base,file,change", [
+    ("qwen3_fp8", "config.json", {"eos_token_id": 0}),
+    ("qwen3_fp8", "config.json", {"eos_token_id": 255, "bos_token_id": 0, "pad_token_id": 1}),
+    ("qwen3_fp8", "config.json", {"eos_token_id": [1, 2]}),
+    ("qwen3_fp8", "config.json", {"eos_token_id": None, "pad_token_id": None}),
+    ("qwen3_fp8", "generation_config.json", {"eos_token_id": [0, 1], "pad_token_id": 0}),
+    ("qwen3_fp8", "config.json", {"head_dim": 16}),
+    ("mixtral_nvfp4", "config.json", {"head_dim": None}),  # Mixtral's attention derives it
+    ("deepseek_fp8", "config.json", {"head_dim": 99}),  # MLA: DeepseekV3Config replaces it
+    ("qwen3_fp8", "config.json", {"sliding_window": None, "use_sliding_window": True}),
+    ("qwen3_fp8", "config.json", {"sliding_window": 4096, "use_sliding_window": True}),
+    ("qwen3_fp8", "config.json", {"sliding_window": 0, "use_sliding_window": False}),
+    ("mixtral_nvfp4", "config.json", {"sliding_window": 1}),
+], ids=lambda v: str(v) if not isinstance(v, dict) else json.dumps(v).replace(" ", ""))
+def test_valid_token_ids_head_dims_and_sliding_windows_still_pass(base, file, change, request,
+                                                                 tmp_path):
+    folder = Path(shutil.copytree(request.getfixturevalue(base), tmp_path / "ckpt"))
+    edit_json(file, lambda d: d.update(change))(folder)
+    report = check_checkpoint(folder, machine=None)
+    assert report.ok, [f.paragraph for f in report.findings]
+
+
+def test_no_head_dim_passes_where_hidden_size_over_heads_is_the_stored_head_size(qwen3_fp8,
+                                                                                 tmp_path):
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    delete_config("head_dim")(folder)  # 64 / 4 heads = 16, what the tensors hold
+    assert check_checkpoint(folder, machine=None).ok
+
+
+@pytest.mark.parametrize("base,head_dim", [("qwen3_fp8", 8), ("qwen3_fp8", 16),
+                                           ("qwen3_fp8", 32), ("qwen3_fp8", None),
+                                           ("mixtral_nvfp4", 32), ("mixtral_nvfp4", None),
+                                           ("deepseek_fp8", 99)])
+def test_check_passes_a_head_dim_exactly_when_the_model_loads(base, head_dim, request,
+                                                             tmp_path, monkeypatch):
+    """The check derives the head size as transformers' attention of the architecture does: it
+    passes the config if and only if ``load_model`` (what serve calls), with the check taken out,
+    builds the model and loads the tensors into it."""
+    from moe_runtime.checkpoint import check
+    from moe_runtime.integration.transformers import load_model
+
+    folder = Path(shutil.copytree(request.getfixturevalue(base), tmp_path / "ckpt"))
+    set_config(head_dim=head_dim)(folder)
+    passes = check_checkpoint(folder, machine=None).ok
+    monkeypatch.setattr(check, "require_sound_checkpoint", lambda path, **_: attrs.evolve(
+        check_checkpoint(path, machine=None), findings=()))
+    try:
+        load_model(folder)
+        loads = True
+    except Exception:  # noqa: BLE001 - a model that cannot be built or loaded
+        loads = False
+    assert passes == loads, (passes, loads)
+
+
+def test_text_config_token_ids_are_checked(data_copy):
+    """An architecture whose model fields sit under text_config: its token ids are checked there,
+    against its vocab_size."""
+    folder = data_copy("qwen3_5_moe_nvfp4_mixed")
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    vocab = text["vocab_size"]
+    edit_json("config.json", lambda d: d["text_config"].update(eos_token_id=vocab))(folder)
+    report = check_checkpoint(folder, machine=None, weights_required=False)
+    (finding,) = [f for f in report.findings if "eos_token_id" in f.paragraph]
+    assert f"text_config.eos_token_id is {vocab}, outside the vocabulary" in finding.paragraph
+    assert f"an integer from 0 to {vocab - 1}" in finding.paragraph
+
+
+@pytest.mark.parametrize("damage_id", ["head_dim_larger_than_the_attention_tensors",
+                                       "generation_config_eos_token_id_a_string"])
+def test_serve_refuses_a_wrong_head_dim_or_eos_token_id_at_start_up(damage_id, damaged):
+    damage = next(d for d in CONFIG_VALUE_DAMAGES if d.id == damage_id)
+    _assert_serve_refuses(damaged(damage), damage.needles)
