@@ -12,7 +12,11 @@ generation routes 503 ``model_loading``, so a server answers while its model loa
 
 Client errors are answered in OpenAI's error shape and logged as that one line: bodies larger than
 ``max_request_bytes`` (413), sent with a ``Content-Encoding`` other than ``identity`` (415: none is
-decoded here), nested deeper than ``protocol.MAX_JSON_DEPTH``, or not standard JSON (400); a client
+decoded here) or with a ``Content-Type`` that is not JSON (415: ``application/json`` and
+``application/*+json`` are read, with any parameters, and a body with no ``Content-Type`` is read
+as JSON, as ``vllm serve`` reads it, unless a web page sent it; ``text/plain`` or the form type
+that ``curl -d`` sends is refused), nested deeper than ``protocol.MAX_JSON_DEPTH``, not standard JSON,
+or holding an object with a key twice (400, ``duplicate_key``: never "the last one wins"); a client
 that leaves mid-request is logged as status 499, with no traceback. What an error echoes of the
 request (a path, a model name, a header) is bounded by ``protocol.clip``.
 """
@@ -59,6 +63,8 @@ _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUV
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
            "/v1/moe/plan")
 IDENTITY = "identity"  # the one Content-Encoding accepted (as no header): bodies are never decoded
+JSON_TYPE = "application/json"  # the Content-Type of a request body (or no header, or */*+json)
+FORM = "application/x-www-form-urlencoded"  # what curl -d (and urllib) send by default
 
 
 def _check_content_encoding(request: Request) -> None:
@@ -73,6 +79,45 @@ def _check_content_encoding(request: Request) -> None:
                         "which this server does not decode; accepted: 'identity' or no "
                         "Content-Encoding header (send the JSON body uncompressed)",
                    param="Content-Encoding", code="unsupported_content_encoding")
+
+
+def _is_json_media_type(value: str) -> bool:
+    """``application/json`` or ``application/*+json``, in any case, with any parameters."""
+    kind, _, subtype = value.split(";", 1)[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _check_content_type(request: Request) -> None:
+    """A body sent as anything but JSON is a 415, never read as JSON.
+
+    Accepted: ``application/json`` and ``application/*+json`` (any case, any parameters:
+    ``Application/JSON; charset=utf-8``), and no ``Content-Type`` header (or an empty one): such a
+    body is read as JSON and must be JSON, as ``vllm serve`` reads it (and FastAPI before 0.132).
+    Any other type (``text/plain``; ``application/x-www-form-urlencoded``, which ``curl -d`` sends
+    unless told otherwise; ``multipart/form-data``) is refused naming the type received. So is a
+    missing one on a request that carries ``Origin``: a browser's. A web page may POST a body with
+    no type, or a ``text/plain`` one, to this server (on localhost, often without an API key)
+    with no CORS preflight; FastAPI 0.132 refuses a missing type for that reason. Scripts send
+    no ``Origin``, and browsers' JSON requests name their type."""
+    values = [v for v in request.headers.getlist("content-type") if v.strip()]
+    if values and all(_is_json_media_type(v) for v in values):
+        return
+    if not values:
+        if "origin" not in request.headers:
+            return
+        raise APIError(415, "the request body has no Content-Type and the request comes from a "
+                            "web page (it has an Origin header), which may not send one here "
+                            f"unasked; accepted: '{JSON_TYPE}' (or application/*+json)",
+                       param="Content-Type", code="unsupported_content_type")
+    received = ", ".join(values)
+    hint = ""
+    if any(v.split(";", 1)[0].strip().lower() == FORM for v in values):
+        hint = " (curl -d sends that type: add -H 'Content-Type: application/json')"
+    raise APIError(415, f"the request body has Content-Type {clip(received, 80, quoted=True)}, "
+                        f"which this server does not read{hint}; accepted: '{JSON_TYPE}' (or "
+                        "application/*+json, with any parameters such as '; charset=utf-8'), or "
+                        "no Content-Type header", param="Content-Type",
+                   code="unsupported_content_type")
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -155,6 +200,7 @@ class _Server:
 
     async def _body(self, request: Request):
         _check_content_encoding(request)
+        _check_content_type(request)
         limit = self.max_request_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes (the "
                                   "server's --max-request-bytes)", code="request_too_large")

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import sys
+import threading
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -96,15 +97,84 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+class _Duplicated(dict):
+    """A JSON object that held ``key`` more than once (``json.loads`` keeps the last)."""
+
+    __slots__ = ("duplicated",)
+
+
+def _object_pairs(pairs: list) -> dict:
+    """``json.loads``' object_pairs_hook: a dict, marked when a key came twice."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set = set()
+    for key, _ in pairs:
+        if key in seen:
+            break
+        seen.add(key)
+    marked = _Duplicated(obj)
+    marked.duplicated = key
+    _duplicates_seen.flag = True
+    return marked
+
+
+_duplicates_seen = threading.local()  # set by _object_pairs: the body must be walked for it
+
+
+def _first_duplicate(value: Any, path: tuple = ()) -> tuple[tuple, str] | None:
+    """The path to the first object (in document order) that held a key twice, and the key."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_duplicate(item, (*path, i))
+            if found:
+                return found
+    elif isinstance(value, dict):
+        dup = getattr(value, "duplicated", None)
+        for key, item in value.items():
+            if key == dup:  # met before anything nested after it
+                return path, key
+            found = _first_duplicate(item, (*path, key))
+            if found:
+                return found
+    return None
+
+
+def _shown_path(path: tuple) -> str:
+    """``messages[0].role`` (each key bounded: it is client input)."""
+    out = ""
+    for step in path:
+        out += f"[{step}]" if isinstance(step, int) else (
+            f".{clip(step, 80)}" if out else clip(step, 80))
+    return out
+
+
+def _duplicate_key_error(value: Any) -> APIError:
+    path, key = _first_duplicate(value)
+    where = (f"in {clip(_shown_path(path), 200)} (at {clip(_shown_path((*path, key)), 200)})"
+             if path else "in the request body")
+    param = ".".join(clip(str(step), 80) for step in (*path, key))
+    return invalid(f"duplicate key {clip(key, 80, quoted=True)} {where}: a JSON object may hold "
+                   "each key once; this server refuses a repeated key rather than keep one of its "
+                   "values (send the key once, with the value meant)", clip(param, 200),
+                   "duplicate_key")
+
+
 def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The JSON value of a request body; too deep, invalid or non-standard JSON: a 400."""
+    """The JSON value of a request body; too deep, invalid or non-standard JSON, or an object
+    holding a key twice (``{"model": "a", "model": "b"}``, anywhere in the body): a 400. A
+    repeated key is refused (code ``duplicate_key``, the message naming the key and its path as
+    ``messages[0].role``, ``param`` as pydantic's ``messages.0.role``) rather than read as
+    ``json.loads`` reads it, the last value winning: which one a client meant is unknown, and
+    a proxy that kept the first would have checked another request than the one served."""
     # No body with fewer brackets than the limit can nest deeper: most skip the scan.
     depth = 0 if body.count(b"[") + body.count(b"{") <= max_depth else json_depth(body)
     if depth > max_depth:
         raise invalid(f"the request body nests arrays and objects {depth} levels deep; at most "
                       f"{max_depth} are accepted", code="json_too_deep")
     try:
-        value = json.loads(body, parse_constant=_no_constant)
+        _duplicates_seen.flag = False
+        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_object_pairs)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # ValueError also covers integers of more digits than Python converts (4300), whose
         # message advises sys.set_int_max_str_digits(): the server's business, not the client's
@@ -122,6 +192,8 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
             raise invalid(f"the request body holds {bad}, a lone UTF-16 surrogate, which is no "
                           "Unicode character; send text as valid UTF-8 (or paired \\u escapes)",
                           code="invalid_json") from None
+    if _duplicates_seen.flag:
+        raise _duplicate_key_error(value)
     return value
 
 
