@@ -467,12 +467,23 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     engines: list = []
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    log.info("listening at http://%s:%d (/health answers 503 until the model is loaded and has "
-             "generated a first token)", shown, port)
 
     stopping: list[bool] = []  # set, under the lock, once the server stopped
     ready: list[bool] = []  # set once the first token was generated
     lock = threading.Lock()
+
+    def fail(message: str, debug: bool = False) -> None:
+        with lock:
+            # Stopped (Ctrl+C, SIGTERM) while the first token was generated: the main thread shut
+            # the engine down under the probe, whose failure is the stop's doing, not the
+            # model's. Reported, it turned a Ctrl+C into exit 1 and "cannot serve".
+            if stopping:
+                return
+            if debug and args.debug:
+                import traceback
+
+                traceback.print_exc()
+            failure.append(message)
 
     def load_and_probe() -> None:
         try:
@@ -493,14 +504,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
                      port, " (API key required)" if args.api_key else "")
             seconds = engine.probe()
         except (_StartupFailure, ReadinessError) as exc:
-            failure.append(str(exc))
+            fail(str(exc))
         except Exception as exc:
-            if args.debug:
-                import traceback
-
-                traceback.print_exc()
-            failure.append(f"serving failed: {type(exc).__name__}: {exc}" +
-                           ("" if args.debug else " (run with --debug for the traceback)"))
+            fail(f"serving failed: {type(exc).__name__}: {exc}" +
+                 ("" if args.debug else " (run with --debug for the traceback)"), debug=True)
         else:
             log.info("ready: the first token took %.2f s", seconds)
             ready.append(True)
@@ -508,9 +515,14 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
         server.should_exit = True
 
     loader = threading.Thread(target=load_and_probe, name="moe-runtime-loader", daemon=True)
-    loader.start()
     interrupted = False
     try:
+        # From this line on a Ctrl+C is this try's (until server.run hands it to uvicorn): one
+        # arriving as the loading thread starts ends here, through the os._exit below, never by
+        # finalizing the interpreter under a thread importing torch
+        log.info("listening at http://%s:%d (/health answers 503 until the model is loaded and "
+                 "has generated a first token)", shown, port)
+        loader.start()
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for
         interrupted = True

@@ -94,3 +94,47 @@ def test_ctrl_c_exits_130_without_a_traceback(model_dir, cache_home, when):
         assert "Traceback" not in text and "KeyboardInterrupt" not in text
     finally:
         proc.stop()
+
+
+# Ctrl+C at the instant the first token is being generated, made deterministic: the server
+# process with its probe wrapped to send itself SIGINT and go on only once the main thread has
+# shut the engine down under it, and the main thread's shutdown held until the probe ended. This
+# is the race that made the [loading] case above flaky: the probe failed, and a server stopped
+# by Ctrl+C exited 1 saying the model "cannot serve".
+_CTRL_C_AT_PROBE = """
+import os, signal, sys, threading, time
+from moe_runtime.serve import engine
+probe, shutdown, probed = engine.Engine.probe, engine.Engine.shutdown, threading.Event()
+def interrupted_probe(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 20
+    while self._manager is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        return probe(self, *args, **kwargs)
+    finally:
+        print("probe ended after the engine was " +
+              ("shut down" if self._manager is None else "left running"), flush=True)
+        probed.set()
+def held_shutdown(self):
+    shutdown(self)
+    if threading.current_thread() is threading.main_thread():
+        probed.wait(20)
+engine.Engine.probe, engine.Engine.shutdown = interrupted_probe, held_shutdown
+from moe_runtime.serve.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_first_token_is_generated_exits_130(model_dir, cache_home):
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache_home), PYTHONUNBUFFERED="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_PROBE, "--port", "0", "--dtype",
+                        "float32", str(model_dir)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    text = r.stdout + r.stderr
+    assert "probe ended after the engine was shut down" in text, text[-3000:]  # the instant was the one meant
+    assert r.returncode == 130, text[-3000:]
+    assert "cannot serve" not in text
+    assert not [line for line in text.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
