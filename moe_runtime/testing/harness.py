@@ -109,7 +109,14 @@ def device_for(hardware, env: Environment) -> str:
 BUDGET_MULTIPLE = 3.0
 SCALE_BOUND = 2.5e-3  # |<out,ref>/<ref,ref> - 1| allowed beyond the emulation's own (1% fails)
 COLUMN_BOUND = 5e-3  # mean signed error of a column / rms(ref), beyond noise
-RELIABLE_SCALE = 6e-3  # a bias check whose bound would exceed this on a case is not applied
+# A scale bound under this, with the noise counted per element, is applied as it is (a 1% scale
+# error fails it). Where it would exceed this (activation quantization: a code flip moves a whole
+# row's outputs together, so the elements are not independent samples), the noise is counted per
+# row instead: each token's row of the emulation's error is one sample of the scale's error. The
+# check is applied either way: quantization noise must not hide a systematic error (a tanh-GELU
+# backend was 11-16% small on the gelu_tail case of fp8_w8a8 and nvfp4_w4a4, inside their max
+# budget, and the check was not applied there).
+RELIABLE_SCALE = 6e-3
 MIN_ELEMENTS_FOR_SCALE = 4096
 MIN_ROWS_FOR_COLUMNS = 256
 
@@ -191,16 +198,20 @@ def quantization_envelope(weights, hidden, ids, tw, run_as: str, dtype: torch.dt
 
 def _stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
     if ref.numel() == 0:
-        return {"max": 0.0, "scale": 1.0, "rms": 0.0, "columns": 0.0}
+        return {"max": 0.0, "scale": 1.0, "rms": 0.0, "columns": 0.0, "scale_row_noise": 0.0}
     scale = max(ref.abs().max().item(), 1e-12)
     err = out - ref
     rms_ref = max(ref.pow(2).mean().sqrt().item(), 1e-12)
-    lsq = (out * ref).sum().item() / max(ref.pow(2).sum().item(), 1e-30)
+    energy = max(ref.pow(2).sum().item(), 1e-30)
+    lsq = (out * ref).sum().item() / energy
+    # the standard error of the scale with each row one sample: sqrt(sum_n <err_n, ref_n>^2) / <ref, ref>
+    per_row = (err * ref).reshape(err.shape[0], -1).sum(-1) if err.dim() else err.reshape(1)
     return {
         "max": err.abs().max().item() / scale,
         "scale": lsq,
         "rms": err.pow(2).mean().sqrt().item() / rms_ref,
         "columns": err.mean(0).abs().max().item() / rms_ref,
+        "scale_row_noise": per_row.pow(2).sum().sqrt().item() / energy,
     }
 
 
@@ -211,11 +222,13 @@ def error_budget(emul: dict, numel: int, rows: int, dtype: torch.dtype,
     ulp = torch.finfo(dtype).eps / 2  # one rounding to the model dtype, relative
     noise = emul["rms"] / max(numel, 1) ** 0.5
     scale_bound = SCALE_BOUND + 3 * abs(emul["scale"] - 1) + 4 * noise
+    if scale_bound > RELIABLE_SCALE:  # quantization noise: count it per row, and still check
+        scale_bound = SCALE_BOUND + 3 * abs(emul["scale"] - 1) + 4 * max(
+            noise, emul.get("scale_row_noise", 0.0))
     column_bound = COLUMN_BOUND + 3 * emul["columns"] + 4 * emul["rms"] / max(rows, 1) ** 0.5
     return {
         "max": BUDGET_MULTIPLE * emul["max"] + envelope + ulp,
-        "scale": scale_bound if (scale_bound <= RELIABLE_SCALE
-                                 and numel >= MIN_ELEMENTS_FOR_SCALE) else None,
+        "scale": scale_bound if numel >= MIN_ELEMENTS_FOR_SCALE else None,
         "columns": column_bound if rows >= MIN_ROWS_FOR_COLUMNS else None,
     }
 
@@ -227,7 +240,7 @@ def judge(case_id: str, got: torch.Tensor, ref: torch.Tensor, emuls: list[torch.
     The budgets come from the worst of the legitimate emulations ``emuls`` on the same inputs."""
     mine = _stats(got, ref)
     each = [_stats(e, ref) for e in emuls]
-    honest = {k: max(st[k] for st in each) for k in ("max", "rms", "columns")}
+    honest = {k: max(st[k] for st in each) for k in ("max", "rms", "columns", "scale_row_noise")}
     honest["scale"] = max((st["scale"] for st in each), key=lambda v: abs(v - 1))
     rows = int(ref.shape[0]) if ref.dim() else 0
     env = 0.0

@@ -234,14 +234,21 @@ def test_an_unregistered_name_is_one_line_not_a_traceback(site):
     assert "Traceback" not in r.stdout + r.stderr and "ERROR collecting" not in r.stdout
 
 
-def test_a_tanh_approximate_gelu_fails_in_every_16_bit_activation_format(verdicts):
+def test_a_tanh_approximate_gelu_fails_in_every_format(verdicts):
     # on N(0, 1) gates tanh-GELU is within every budget (it passed bf16 and, for most seeds, fp16);
-    # the gelu_tail case puts the gates where it is 15-45% off the exact GELU. Formats that
-    # quantize activations (fp8_w8a8, nvfp4_w4a4) have budgets too wide to catch it every time.
+    # the gelu_tail case puts the gates where it is 15-45% off the exact GELU. In the formats that
+    # quantize activations (fp8_w8a8, nvfp4_w4a4) that stayed inside the max budget (quantization
+    # noise) and the least-squares scale check was switched off there; the scale is 11-16% small,
+    # and the check, its noise counted per row, now runs on every case of 4096 elements.
     _, by = verdicts
     failed = by["liar_tanh_gelu"]["failed"]
     assert failed and all("-gelu-" in c and "gelu_tail" in c for c in failed), failed
-    for fmt in ("bf16", "fp16", "nvfp4_w4a16"):
+    for fmt in ("bf16", "fp16", "nvfp4_w4a16", "fp8_w8a8", "nvfp4_w4a4"):
         tail = [c for c in by["liar_tanh_gelu"]["passed"] + failed
                 if c.startswith(f"liar_tanh_gelu-{fmt}-") and "gelu_tail" in c]
         assert tail and all(c in failed for c in tail), (fmt, tail, failed)
+    # the fp8 payload too (activations arrive quantized)
+    assert "liar_tanh_gelu-fp8_w8a8-gelu-token_major-fp8-gelu_tail-h64i32" in failed, failed
+    msgs = [m for m, c in zip(by["liar_tanh_gelu"]["messages"], failed)
+            if "-fp8_w8a8-" in c or "-nvfp4_w4a4-" in c]
+    assert msgs and all("bias: least-squares scale" in m for m in msgs), msgs[:2]
