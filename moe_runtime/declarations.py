@@ -232,6 +232,12 @@ class Support:
         ``prepare`` (scales included), when it keeps its own copy of another size (a float32
         copy: ``4.0``); ``None``: the format's storage (:attr:`WeightFormat.bytes_per_weight`).
         The memory estimate of a plan that chooses this block counts this.
+    :param max_tokens_per_forward: the most tokens one ``forward`` of this block runs (rows of
+        ``hidden`` in ``token_major``, rows per expert in ``masked``), e.g. a kernel's fixed
+        workspace; ``None`` (the default): any number. The planner does not choose the block for
+        a deployment that may send one forward more (``max_tokens_per_rank`` times the
+        expert-parallel size: every rank may route all its tokens to one rank), and the
+        conformance suite runs a case at exactly this many tokens.
     """
 
     formats: frozenset[str] = attrs.field(converter=_fs)
@@ -243,6 +249,19 @@ class Support:
     shape_multiple: int = attrs.field(default=1)
     note: str = ""
     prepared_bytes_per_weight: float | None = None
+    max_tokens_per_forward: int | None = attrs.field(default=None, kw_only=True)
+
+    @max_tokens_per_forward.validator
+    def _check_token_bound(self, _attr, value):
+        if value is not None and not _is_count(value):
+            raise ValueError(
+                f"the Support block of {_listed(self.formats)} declares "
+                f"max_tokens_per_forward={value!r}; accepted: None (any number of tokens) or a "
+                "positive integer (the most tokens one forward runs)")
+
+    def admits_tokens(self, tokens: int) -> bool:
+        """Does one forward of this block run ``tokens`` tokens (its declared bound, if any)?"""
+        return self.max_tokens_per_forward is None or tokens <= self.max_tokens_per_forward
 
     @shape_multiple.validator
     def _check_shape_multiple(self, _attr, value):
@@ -267,12 +286,14 @@ class Support:
         layout: str | None = None,
         payload: str | None = None,
         allow_degradation: bool = True,
+        tokens_per_forward: int | None = None,
     ) -> Verdict:
         """Does this block run ``problem`` on ``environment``? The one matching rule.
 
         The planner, the conformance suite and backends' own guards all call this. Checked in
         :data:`CHECK_ORDER`: format, activation, then (when given) the layout and payload a setup
-        would deliver and the format it asks to run as, shape, hardware, degradation.
+        would deliver and the format it asks to run as, shape, hardware, degradation, and (when
+        given) the most tokens one forward may receive against ``max_tokens_per_forward``.
         ``environment=None`` leaves the hardware out (a backend guarding its own construction
         checks the device itself).
         """
@@ -307,6 +328,11 @@ class Support:
             return Verdict(Reason.DEGRADATION_DISABLED, (
                 f"runs format {p.format} only as {own} (a declared degradation), and degradation "
                 "is switched off (--no-degradation)"))
+        if tokens_per_forward is not None and not self.admits_tokens(tokens_per_forward):
+            return Verdict(Reason.TOKEN_BOUND, (
+                f"runs at most {self.max_tokens_per_forward} tokens per forward; the deployment "
+                f"may send {tokens_per_forward} (lower --max-tokens-per-rank / --max-batch-size, "
+                "or pin another experts backend)"))
         return ACCEPTED
 
     def runs(self, fmt: str) -> str:
@@ -623,6 +649,7 @@ def describe_support(s: Support) -> dict:
         "requires": list(s.hardware.requires),
         "runs_as": s.runs_as,
         "shape_multiple": s.shape_multiple,
+        "max_tokens_per_forward": s.max_tokens_per_forward,
         "note": s.note,
     }
 

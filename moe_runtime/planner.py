@@ -295,14 +295,25 @@ class _ExpertsOption:
     runs_as: str
 
 
+def tokens_per_forward(dep: Deployment) -> int:
+    """The most tokens one experts ``forward`` may receive in this deployment: every rank's largest
+    batch, all routed to one rank (``max_tokens_per_rank`` times the expert-parallel size)."""
+    return dep.max_tokens_per_rank * max(dep.ep_size, 1)
+
+
 def evaluate_experts(
-    spec: ExpertsBackendSpec, p: LayerProblem, env: Environment, *, allow_degradation: bool = True
+    spec: ExpertsBackendSpec, p: LayerProblem, env: Environment, *, allow_degradation: bool = True,
+    tokens: int | None = None,
 ) -> tuple[list[_ExpertsOption], tuple[Reason, str] | None]:
-    """The Support blocks of ``spec`` that accept layer ``p`` here (native ones first), or why none."""
-    blocks = spec.accepting(p, env, allow_degradation=allow_degradation)
+    """The Support blocks of ``spec`` that accept layer ``p`` here (native ones first), or why none.
+
+    ``tokens``: the most tokens one forward may receive (:func:`tokens_per_forward`), checked
+    against each block's ``max_tokens_per_forward`` (``None``: not checked)."""
+    blocks = spec.accepting(p, env, allow_degradation=allow_degradation,
+                            tokens_per_forward=tokens)
     if blocks:
         return [_ExpertsOption(spec, s, s.runs(p.format)) for s in blocks], None
-    v = spec.check(p, env, allow_degradation=allow_degradation)
+    v = spec.check(p, env, allow_degradation=allow_degradation, tokens_per_forward=tokens)
     return [], (v.reason, v.message)
 
 
@@ -420,7 +431,8 @@ def filter_experts(p: LayerProblem, registry: Registry, env: Environment, dep: D
     rejection for each backend that does not (or that a pin excludes)."""
     options, accepting, rejections = [], [], []
     for spec in _ranked(registry.experts):
-        opts, failure = evaluate_experts(spec, p, env, allow_degradation=dep.allow_degradation)
+        opts, failure = evaluate_experts(spec, p, env, allow_degradation=dep.allow_degradation,
+                                         tokens=tokens_per_forward(dep))
         if failure:
             rejections.append(Rejection(p.name, "experts", spec.name, *failure))
             continue

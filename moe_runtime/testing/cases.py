@@ -2,8 +2,10 @@
 
 Every number a case uses comes from the declaration it checks or from the format's storage:
 sizes are built from the block's ``shape_multiple`` and the format's block size (the smallest sizes
-admitted, sizes that are not multiples of 16 where admitted), communication cases run each mode
-at its own ``max_tokens_per_rank`` and at every world size from 1 to 4 it admits. Which problems a
+admitted, sizes that are not multiples of 16 where admitted), experts cases run each block at its
+own ``max_tokens_per_forward`` (2048 tokens where it declares none) and never past it,
+communication cases run each mode at its own ``max_tokens_per_rank`` and at every world size from
+1 to 4 it admits. Which problems a
 block accepts is decided by :meth:`Support.check`, the planner's own rule.
 """
 
@@ -27,6 +29,12 @@ MAX_CASE_TOKENS_PER_RANK = 4096
 UNBOUNDED_CASE_TOKENS = 256
 # World sizes tried where a mode admits them ("any" means these).
 CASE_WORLD_SIZES = (1, 2, 3, 4)
+# The batch an experts block without a declared token bound is run at once (past every other
+# shape's 512 tokens, with small sizes so it stays fast on a CPU).
+UNBOUNDED_CASE_TOKENS_PER_FORWARD = 2048
+# The largest batch an experts case sends; a declared bound above it is run at this size and the
+# case id says so (``token_bound-16384-of-65536``).
+MAX_CASE_TOKENS_PER_FORWARD = 16384
 
 
 def case_seed(case_id: str, seed: int = 0) -> int:
@@ -75,8 +83,24 @@ def size_multiple(support: Support, fmt: F.WeightFormat) -> int:
     return math.lcm(max(support.shape_multiple, 1), fmt.stored_as.size_multiple)
 
 
+def token_bound_shape(support: Support, m: int) -> Shape:
+    """The batch of the block's token bound: exactly ``max_tokens_per_forward`` tokens (at most
+    :data:`MAX_CASE_TOKENS_PER_FORWARD`, the id then says of what), or, for a block that declares
+    none, :data:`UNBOUNDED_CASE_TOKENS_PER_FORWARD` tokens, past every other shape's batch."""
+    bound = support.max_tokens_per_forward
+    h, i = _up(32, m), _up(16, m)
+    if bound is None:
+        n = UNBOUNDED_CASE_TOKENS_PER_FORWARD
+        return Shape(f"unbounded_tokens{n}", n, h, i, 8, 2)
+    n = min(bound, MAX_CASE_TOKENS_PER_FORWARD)
+    name = f"token_bound{n}" + (f"-of{bound}" if n < bound else "")
+    return Shape(name, n, h, i, 8, 2)
+
+
 def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
-    """The shapes a block is tried on, from its own ``shape_multiple`` and the format's storage."""
+    """The shapes a block is tried on, from its own ``shape_multiple`` and the format's storage,
+    and its token bound: none has more tokens than the block declares it runs in one forward
+    (``max_tokens_per_forward``), and one has exactly that many (:func:`token_bound_shape`)."""
     m = size_multiple(support, fmt)
     h, i = _up(64, m), _up(32, m)
     shapes = [
@@ -107,6 +131,9 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
     if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16
         shapes.append(Shape("not_multiple_of_16", 7, rh, ri, 6, 3))
         shapes.append(Shape("not_multiple_of_16_batch", 300, rh, ri, 6, 3))
+    # the planner never sends a forward past the block's bound: neither does the suite
+    shapes = [sh for sh in shapes if support.admits_tokens(sh.tokens)]
+    shapes.append(token_bound_shape(support, m))
     return tuple(shapes)
 
 

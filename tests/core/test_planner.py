@@ -205,6 +205,60 @@ def test_token_bound_of_a_mode_is_enforced():
     assert r.reason is Reason.TOKEN_BOUND and "128" in r.message
 
 
+SMALL_BATCH = ExpertsBackendSpec(
+    name="small_batch", factory="m:C", priority=100,
+    supports=[Support(formats=["bf16"], max_tokens_per_forward=64)])
+
+
+def test_an_experts_token_bound_is_honoured():
+    reg = registry_with(SMALL_BATCH)
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(max_tokens_per_rank=64))
+    assert lp.experts == "small_batch"  # exactly the bound
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(max_tokens_per_rank=65))
+    assert lp.experts == builtin_choice(layer("bf16"), CPU_ENV)
+    (r,) = [r for r in rej if r.backend == "small_batch"]
+    assert r.reason is Reason.TOKEN_BOUND and r.role == "experts"
+    assert r.message.startswith("runs at most 64 tokens per forward; the deployment may send 65")
+    assert "small_batch" not in lp.alternatives
+
+
+def test_an_experts_token_bound_counts_every_rank_s_tokens():
+    # under expert parallelism every rank may route all its tokens to one rank's experts
+    reg = registry_with(SMALL_BATCH)
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(ep_size=2, max_tokens_per_rank=32))
+    assert lp.experts == "small_batch"
+    lp, rej = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                         deployment=Deployment(ep_size=2, max_tokens_per_rank=33))
+    assert lp.experts != "small_batch"
+    assert [r.message for r in rej if r.backend == "small_batch"][0].startswith(
+        "runs at most 64 tokens per forward; the deployment may send 66")
+
+
+def test_a_pinned_experts_backend_past_its_token_bound_is_refused_with_the_reason():
+    with pytest.raises(PlanError, match="token_bound: runs at most 64 tokens per forward; the "
+                                        "deployment may send 4096"):
+        plan_layer(layer("bf16"), registry=registry_with(SMALL_BATCH), environment=CPU_ENV,
+                   deployment=Deployment(experts_backend="small_batch"))
+
+
+def test_an_experts_token_bound_is_per_block():
+    # the bounded block is skipped; the unbounded block of the same backend runs the layer
+    spec = ExpertsBackendSpec(
+        name="two_paths", factory="m:C", priority=100,
+        supports=[Support(formats=["bf16"], max_tokens_per_forward=16, note="small path"),
+                  Support(formats=["bf16"], note="large path")])
+    reg = registry_with(spec)
+    small, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                          deployment=Deployment(max_tokens_per_rank=16))
+    large, _ = plan_layer(layer("bf16"), registry=reg, environment=CPU_ENV,
+                          deployment=Deployment(max_tokens_per_rank=17))
+    assert (small.experts, small.notes) == ("two_paths", ("small path",))
+    assert (large.experts, large.notes) == ("two_paths", ("large path",))
+
+
 def test_no_common_layout_falls_back_to_a_pair_that_matches():
     masked_only = ExpertsBackendSpec(
         name="masked_only", factory="m:C", priority=100,

@@ -42,6 +42,9 @@ BAD = {
                    "'cuda']"),
     "bad_multiple": ('Support(formats=["bf16"], shape_multiple=0)',
                      "declares shape_multiple=0; accepted: a positive integer"),
+    "bad_token_bound": ('Support(formats=["bf16"], max_tokens_per_forward=0)',
+                        "declares max_tokens_per_forward=0; accepted: None (any number of "
+                        "tokens) or a positive integer"),
     "bad_capability": ('Support(formats=["bf16"], hardware=Hardware(devices=["cuda"], '
                        'cuda_capabilities=[CapabilityRange("nine")]))',
                        "compute capability 'nine' is not of the form MAJOR.MINOR"),

@@ -43,6 +43,15 @@ LIARS = {
                        'payloads=["unquantized", "fp8"], hardware=CPU)'),
     "liar_rows_past_tile": ("DropsRowsPastTile", 'Support(formats=["bf16"], '
                             'layouts=["token_major", "masked"], hardware=CPU)'),
+    # token bounds: one that holds fewer rows than it declares, one that declares none
+    "liar_bound_at_64": ("BreaksAt64", 'Support(formats=["bf16"], max_tokens_per_forward=64, '
+                         'hardware=CPU)'),
+    "liar_no_bound_past_512": ("BreaksAbove512", 'Support(formats=["bf16"], hardware=CPU)'),
+}
+# honest backends beside honest_bf16: right within the bound they declare, wrong past it
+BOUNDED = {
+    "bounded_64": ("BreaksAbove64", 'Support(formats=["bf16"], max_tokens_per_forward=64, '
+                   'hardware=CPU)'),
 }
 HONEST = ("HonestExperts", f'Support(formats={ALL}, activations=["silu", "gelu"], '
           'layouts=["token_major", "masked"], payloads=["unquantized", "fp8"], hardware=CPU)')
@@ -75,7 +84,7 @@ def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("teeth")
     liars = (HERE / "liars.py").read_text()
     srcs = []
-    for name, (cls, support) in LIARS.items():
+    for name, (cls, support) in {**LIARS, **BOUNDED}.items():
         code = EXPERTS_PLUGIN.format(name=name, module=name, cls=cls, support=support)
         srcs.append(build_plugin_dist(root, f"moe-runtime-{name}", name, name, code,
                                       {"impl": liars}))
@@ -108,7 +117,7 @@ def _outcomes(xml: Path) -> dict[str, dict[str, list[str]]]:
 @pytest.fixture(scope="module")
 def verdicts(site, tmp_path_factory):
     xml = tmp_path_factory.mktemp("junit") / "report.xml"
-    names = [*LIARS, "honest_bf16", "liar_short_comm"]
+    names = [*LIARS, *BOUNDED, "honest_bf16", "liar_short_comm"]
     r = run_cli("conformance", *names, "--", "-q", f"--junitxml={xml}", "-p", "no:randomly",
                 site=site)
     assert xml.exists(), r.stdout[-3000:] + r.stderr[-3000:]
@@ -224,7 +233,33 @@ def test_routing_weights_that_do_not_sum_to_one_are_sent(verdicts):
 def test_one_expert_gets_more_rows_than_a_tile(verdicts):
     _, by = verdicts
     failed = by["liar_rows_past_tile"]["failed"]
-    assert failed and all("all_to_one_expert_batch" in c for c in failed), failed
+    # (the 2048-token case of an unbounded block gives each expert about 512 rows too)
+    assert failed and all("all_to_one_expert_batch" in c or "unbounded_tokens2048" in c
+                          for c in failed), failed
+    assert any("all_to_one_expert_batch" in c for c in failed), failed
+
+
+def test_a_backend_right_within_its_declared_token_bound_passes(verdicts):
+    # it breaks past 64 tokens and says so: a case at exactly 64, none past it
+    _, by = verdicts
+    bounded = by["bounded_64"]
+    assert not bounded["failed"], bounded["messages"][:3]
+    assert any("token_bound64-" in c for c in bounded["passed"]), bounded["passed"]
+    assert not any("unbounded_tokens" in c or "-bias-" in c or "_batch-" in c
+                   for c in bounded["passed"]), bounded["passed"]
+
+
+def test_a_backend_short_of_its_declared_token_bound_fails_at_the_bound(verdicts):
+    _, by = verdicts
+    failed = by["liar_bound_at_64"]["failed"]
+    assert failed and all("token_bound64-" in c for c in failed), failed
+
+
+def test_an_undeclared_token_bound_is_found_past_512_tokens(verdicts):
+    # every other shape has at most 512 tokens: only the 2048-token case reaches its limit
+    _, by = verdicts
+    failed = by["liar_no_bound_past_512"]["failed"]
+    assert failed and all("unbounded_tokens2048" in c for c in failed), failed
 
 
 def test_an_unregistered_name_is_one_line_not_a_traceback(site):

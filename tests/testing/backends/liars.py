@@ -154,3 +154,34 @@ class TanhGelu(ReferenceExperts):
             return super().forward(d)
         finally:
             reference_math._activate = exact
+
+
+class _ZeroRowsPast(ReferenceExperts):
+    """Token-major rows from ``LIMIT`` on come back as zeros (a fixed workspace of ``LIMIT`` rows)."""
+
+    LIMIT = 0
+
+    def forward(self, d):
+        out = super().forward(d)
+        if d.hidden.shape[0] > self.LIMIT:
+            out = out.clone()
+            out[self.LIMIT:] = 0
+        return out
+
+
+class BreaksAbove64(_ZeroRowsPast):
+    """Right up to 64 tokens, wrong past them: honest when it declares a bound of 64."""
+
+    LIMIT = 64
+
+
+class BreaksAt64(_ZeroRowsPast):
+    """Declares a bound of 64 but holds 63 rows: the 64th token of a 64-token batch is lost."""
+
+    LIMIT = 63
+
+
+class BreaksAbove512(_ZeroRowsPast):
+    """Declares no token bound, but rows past 512 come back as zeros."""
+
+    LIMIT = 512
