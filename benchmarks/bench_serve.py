@@ -259,7 +259,8 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
     from moe_runtime.serve.engine import Engine
 
     engine = Engine(loaded, max_batch_size=args.max_batch_size,
-                    max_model_len=args.prompt_len + args.max_tokens + 1)
+                    max_model_len=args.prompt_len + args.max_tokens + 1,
+                    gqa_attention=_gqa(args, side))
     if args.ignore_eos:
         engine.eos_token_ids = []  # every request runs to max_tokens, on both sides alike
     before = _memory()
@@ -268,7 +269,9 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
 
         torch.cuda.reset_peak_memory_stats()
     engine.start()
-    out: dict = {"graphs": engine.batching.graphs.describe()}
+    out: dict = {"graphs": engine.batching.graphs.describe(),
+                 "attention": ("grouped-query (moe_runtime/serve/paged_attention.py)"
+                               if engine.gqa_attention else "transformers' paged|sdpa")}
     warm = dict(per_client=1, max_tokens=min(args.max_tokens, args.warmup_tokens))
     measured = dict(per_client=args.requests_per_client, max_tokens=args.max_tokens, bar=bar)
     try:
@@ -375,14 +378,20 @@ class _Spans:
         return out
 
 
-def _profile_side(loaded, prompts, args, clients: int) -> dict:
+def _gqa(args, side: str) -> bool:
+    """``--gqa-attention``: moe-runtime's side only; transformers alone keeps paged|sdpa."""
+    return bool(args.gqa_attention) and side == SIDES[0]
+
+
+def _profile_side(loaded, prompts, args, clients: int, side: str = "") -> dict:
     """One eager wave of ``clients`` requests (graphs off: a graph's inside cannot be timed), with
     the time of every step split into attention, MoE, the rest of the forward, the sampler and
     what is left (the host loop: scheduling, inputs, outputs)."""
     from moe_runtime.serve.engine import Engine
 
     engine = Engine(loaded, max_batch_size=args.max_batch_size,
-                    max_model_len=args.prompt_len + args.max_tokens + 1, cuda_graphs=False)
+                    max_model_len=args.prompt_len + args.max_tokens + 1, cuda_graphs=False,
+                    gqa_attention=_gqa(args, side))
     if args.ignore_eos:
         engine.eos_token_ids = []
     engine.start()
@@ -412,7 +421,8 @@ def _profiles(loaded, prompts, args) -> dict | None:
     out = {}
     for side in args.side_list:
         try:
-            out[side] = _profile_side(loaded[side], prompts, args, args.profile_clients)
+            out[side] = _profile_side(loaded[side], prompts, args, args.profile_clients,
+                                      side=side)
             print(json.dumps({"profile": side, **out[side]}, default=str), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             print(f"profiling {side} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -641,6 +651,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"which sides to run (default {','.join(SIDES)})")
     p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
                    help="pin moe-runtime's experts backend (default: the planner's choice)")
+    p.add_argument("--gqa-attention", action="store_true",
+                   help="moe-runtime's side attends with moe_runtime/serve/paged_attention.py "
+                        "(no repeated keys) in continuous batching's small steps; transformers "
+                        "alone keeps its paged|sdpa (default: both keep it)")
     p.add_argument("--profile-clients", type=int, default=None, metavar="N",
                    help="also time one eager wave of N clients per side, step by step: "
                         "attention, MoE, rest of the forward, sampler, host loop")

@@ -14,6 +14,9 @@
 #   bash benchmarks/run_pending_gpu.sh overlap   # issue 15: host/device overlap
 #                                                # (MOE_RUNTIME_ASYNC_BATCHING=1); ~9 min
 #                                                # (carry .gpu_carry/serve_whl)
+#   bash benchmarks/run_pending_gpu.sh gqa       # issue 15: grouped-query attention for decode
+#                                                # steps (MOE_RUNTIME_GQA_ATTENTION); ~9 min
+#                                                # (carry .gpu_carry/serve_whl)
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -119,8 +122,23 @@ overlap)
     step profile_serve 80 env MOE_RUNTIME_ASYNC_BATCHING=1 python benchmarks/profile_serve.py \
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
+gqa)
+    # moe_runtime/serve/paged_attention.py (CPU-tested only): its GPU test (float32 greedy
+    # tokens graph-replayed against transformers' paged|sdpa), then moe-runtime's side with it
+    # against transformers alone (which keeps paged|sdpa), then the 16-client profile with it
+    wheels .gpu_carry/serve_whl
+    step gpu_tests 150 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_engine_cuda_graphs.py -k "grouped_query or decode_gives"
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    step bench_serve 300 python benchmarks/bench_serve.py --gqa-attention \
+        --model /tmp/q30 --device cuda --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 \
+        --repeats 1 --no-progress --out "$OUT/serve"
+    step profile_serve 80 env MOE_RUNTIME_GQA_ATTENTION=1 python benchmarks/profile_serve.py \
+        --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa" >&2
     exit 2
     ;;
 esac

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
+from moe_runtime.serve import paged_attention
 from moe_runtime.serve.batching import (
     CONTINUOUS,
     CacheBatcher,
@@ -51,6 +52,7 @@ from moe_runtime.serve.graph_shapes import (
     prefill_graphs_requested,
 )
 from moe_runtime.serve.loading import LoadedModel
+from moe_runtime.serve.paged_attention import choose_gqa_attention
 from moe_runtime.serve.sampling import (
     GREEDY,
     MAX_STOP_TOKEN_IDS,
@@ -139,6 +141,11 @@ class Engine:
         off when unset: opt-in, its gain on an H200 was mixed). Tokens, seeded draws and
         log-probabilities are the same either way (CPU-tested in transformers' call order, and
         on an H200 by tests/serve/test_engine_cuda_graphs.py, 2026-12-05).
+    :param gqa_attention: ``True``: continuous batching's decode and small mixed steps attend
+        with :func:`~moe_runtime.serve.paged_attention.gqa_paged_attention` (no keys repeated
+        per query head, two batched products per layer) instead of transformers' ``paged|sdpa``;
+        ``None`` (default) reads ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off,
+        until a GPU run has measured it).
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
@@ -154,7 +161,8 @@ class Engine:
                  cuda_graphs: bool | None = None,
                  max_tokens_per_forward: int | None = None,
                  graph_prefill: bool | None = None,
-                 async_batching: bool | None = None) -> None:
+                 async_batching: bool | None = None,
+                 gqa_attention: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -219,6 +227,9 @@ class Engine:
         self._room_lock = threading.Lock()
         self.sampler.on_room = self._wake_room
         self.debug = debug
+        # continuous batching's small steps attend without repeating keys (paged_attention.py)
+        self.gqa_attention = (choose_gqa_attention(gqa_attention)
+                              and batching_choice.path == CONTINUOUS)
         self._manager = None
         self._ready = False
 
@@ -276,6 +287,16 @@ class Engine:
             # one before it is delivered
             use_async_batching=self.batching.overlap.on,
         )
+        if self.gqa_attention:
+            layers = paged_attention.enable(self.loaded.model)
+            if layers:
+                log.info("attention: grouped-query, without repeated keys, for steps of up to "
+                         "%d query tokens on %d layers (%s=0 turns it off)",
+                         paged_attention.MAX_QUERIES, layers, paged_attention.GQA_ENV)
+            else:
+                self.gqa_attention = False
+                log.warning("attention: this transformers has no paged|sdpa to wrap; "
+                            "its own attention runs")
         manager = self.loaded.model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = processor_list(self.sampler)
@@ -380,6 +401,8 @@ class Engine:
             self._manager.stop(block=True, timeout=10)
             self._manager.destroy()
             self._manager = None
+        if self.gqa_attention:
+            paged_attention.disable(self.loaded.model)
 
     @property
     def healthy(self) -> bool:

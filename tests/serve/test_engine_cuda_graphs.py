@@ -312,3 +312,36 @@ def test_gpu_overlapped_steps_give_the_one_at_a_time_tokens_and_logprobs(tmp_pat
     assert all(len(records) == 20 for _, records in logprobs)
     assert logprobs == got[False][1]
     assert seeded == got[False][2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
+                                                            "captured only there)")
+def test_gpu_grouped_query_attention_gives_transformers_greedy_tokens_graph_replayed(tmp_path):
+    """moe_runtime/serve/paged_attention.py under CUDA graphs (decode and prefill graphed):
+    float32 greedy tokens equal those of transformers' paged|sdpa, and decode steps took it."""
+    from moe_runtime.serve import paged_attention
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    tokens = {}
+    for gqa in (False, True):
+        before = paged_attention.calls()["gqa"]
+        engine = Engine(loaded, max_batch_size=8, max_model_len=256, batching="continuous",
+                        gqa_attention=gqa)
+        assert engine.batching.graphs.on, engine.batching.describe()
+        engine.start()
+        try:
+            prompts = [engine.encode_prompt(f"request {i}: once upon a time" * (1 + i % 3))
+                       for i in range(6)]
+            tokens[gqa] = asyncio.run(_greedy_batch(engine, prompts, 24))
+            tokens[gqa, "seeded"] = asyncio.run(_seeded(engine, prompts, 24))
+        finally:
+            engine.shutdown()
+        # graph capture runs the Python function once per captured shape: it was taken
+        assert (paged_attention.calls()["gqa"] > before) is gqa
+    assert all(len(t) == 24 for t in tokens[False])
+    assert tokens[True] == tokens[False]
+    assert tokens[True, "seeded"] == tokens[False, "seeded"]

@@ -1,0 +1,158 @@
+"""Grouped-query attention for continuous batching's small steps, without repeating keys.
+
+transformers' ``paged|sdpa`` attention (5.14-5.17, ``integrations/sdpa_paged.py``) reads a step's
+keys and values from the paged cache as one packed sequence, repeats them once per query head of
+each key/value head (``repeat_kv``: a copy ``num_key_value_groups`` times the keys' size, for keys
+and values), and runs one masked ``scaled_dot_product_attention`` over the whole batch. On an H200
+(48-layer Qwen3-30B-A3B-shaped checkpoint, 16 clients, RESULTS.md "host/device overlap") a graphed
+decode step spent 3.5 ms in that attention (PyTorch's memory-efficient kernel: one batch of 32
+heads and 16 queries is 32 thread blocks on 132 SMs) and 3.7 ms in copies, of 16.45 GPU ms.
+
+:func:`gqa_paged_attention` computes the same thing (softmax of scaled scores plus the same
+additive mask, times the values) with the query heads of each key/value head stacked as rows of
+one matrix: two batched matrix products over the key/value heads, in float32, with no repeated
+keys. It takes a step only while its float32 scores stay small (:data:`MAX_SCORES` elements:
+decode and small mixed steps); larger steps (prefill) run transformers' own function, unchanged.
+
+:func:`install` puts a dispatcher in transformers' attention registry under ``paged|sdpa``: a
+module of a model passed to :func:`enable` takes this path, every other module (another model in
+the same process, the "transformers alone" side of ``benchmarks/bench_serve.py``) takes
+transformers' function. The serving engine enables it when :func:`choose_gqa_attention` says so:
+``MOE_RUNTIME_GQA_ATTENTION=1`` (or the engine's ``gqa_attention=True``) turns it on; it is off by
+default until a GPU run has measured it (RESULTS.md, "Pending GPU runs").
+
+Numerics: the scores, softmax and weighted sum run in float32 from the cache's values; transformers'
+kernel rounds the probabilities to the model's dtype before the second product. Outputs agree to
+that rounding (tests/serve/test_paged_attention.py compares both on the same cache).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+GQA_ENV = "MOE_RUNTIME_GQA_ATTENTION"
+REGISTRY_KEY = "paged|sdpa"
+MAX_SCORES = 1 << 24  # float32 score elements (64 MiB) above which a step takes transformers' path
+MAX_QUERIES = 256  # query tokens of a step above which it takes transformers' path
+
+_enabled: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_original = None  # transformers' function under REGISTRY_KEY, kept by install()
+_calls = {"gqa": 0, "transformers": 0}  # steps × layers each path took (tests and the log read it)
+
+
+def choose_gqa_attention(requested: bool | None = None) -> bool:
+    """Whether the engine enables :func:`gqa_paged_attention`: ``requested`` when given, else
+    ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off). Any other value of the variable
+    is refused with the accepted ones."""
+    if requested is not None:
+        return bool(requested)
+    value = os.environ.get(GQA_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{GQA_ENV}={value!r}: accepted values are 1 (grouped-query attention for "
+                     "small continuous-batching steps) and 0 or unset (transformers' paged|sdpa)")
+
+
+def install() -> bool:
+    """Put the dispatcher under ``paged|sdpa`` in transformers' attention registry (once).
+    Returns False where this transformers has no ``paged|sdpa`` to wrap."""
+    global _original
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS.get(REGISTRY_KEY)
+    if current is None:
+        return False
+    if current is not _dispatch:
+        _original = current
+        ALL_ATTENTION_FUNCTIONS[REGISTRY_KEY] = _dispatch
+    return True
+
+
+def enable(model: Any) -> int:
+    """Route the attention modules of ``model`` (those with a ``layer_idx``) through
+    :func:`gqa_paged_attention`. Returns how many were enabled (0 where the registry has no
+    ``paged|sdpa``)."""
+    if not install():
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "config"):
+            _enabled.add(module)
+            count += 1
+    return count
+
+
+def disable(model: Any) -> None:
+    """Send ``model``'s modules back to transformers' function."""
+    for module in model.modules():
+        _enabled.discard(module)
+
+
+def calls() -> dict[str, int]:
+    """How many layer calls each path has taken in this process (a copy)."""
+    return dict(_calls)
+
+
+def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0,
+              scaling: float | None = None, **kwargs):
+    if module in _enabled and _fits(query, attention_mask, kwargs):
+        _calls["gqa"] += 1
+        return gqa_paged_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                   scaling=scaling, **kwargs)
+    _calls["transformers"] += 1
+    return _original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     **kwargs)
+
+
+def _fits(query, attention_mask, kwargs) -> bool:
+    if kwargs.get("cache") is None or attention_mask is None or attention_mask.dim() != 4:
+        return False
+    if "read_index" not in kwargs or "write_index" not in kwargs:
+        return False
+    heads, queries, keys = query.shape[1], query.shape[2], attention_mask.shape[-1]
+    return query.shape[0] == 1 and queries <= MAX_QUERIES and heads * queries * keys <= MAX_SCORES
+
+
+def gqa_paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs):
+    """transformers' ``paged|sdpa`` contract: ``query`` ``[1, heads, q, head_dim]``, this step's
+    ``key``/``value`` ``[1, kv_heads, q, head_dim]``, ``attention_mask`` ``[1, 1, q, k]`` additive
+    (``kwargs``: ``cache``, ``read_index``, ``write_index``). Writes the step's keys and values to
+    the cache, reads the step's ``k`` keys back, and returns ``([1, q, heads, head_dim], None)``
+    in the query's dtype."""
+    import torch
+
+    cache = kwargs["cache"]
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    # key, value: [k, kv_heads, head_dim]
+    _, heads, queries, head_dim = query.shape
+    keys, kv_heads = key.shape[0], key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads "
+                         f"(layer {module.layer_idx})")
+    groups = heads // kv_heads
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    # query head h = kv * groups + g (repeat_kv's order): rows of kv head kv are (g, position)
+    q = query[0].float().reshape(kv_heads, groups * queries, head_dim)
+    k = key.float().permute(1, 2, 0)  # [kv_heads, head_dim, k]
+    v = value.float().transpose(0, 1)  # [kv_heads, k, head_dim]
+    # the mask's minimum stays finite in float32 (a fully masked padding row averages, as
+    # transformers' kernel does, rather than giving NaN)
+    if attention_mask.shape[-1] != keys:
+        raise ValueError(f"layer {module.layer_idx}: the attention mask covers "
+                         f"{attention_mask.shape[-1]} keys, the cache read back {keys}")
+    mask = attention_mask[0, 0]
+    if mask.dtype == torch.bool:  # True: attend
+        mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    mask = mask.float().clamp_min(torch.finfo(torch.float32).min / 2)
+    mask = mask.unsqueeze(0).expand(groups, queries, keys).reshape(1, groups * queries, keys)
+    scores = torch.baddbmm(mask, q, k, alpha=scale)  # [kv_heads, groups * q, k]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, v)  # [kv_heads, groups * q, head_dim]
+    out = out.reshape(heads, queries, head_dim).transpose(0, 1).to(query.dtype)
+    return out.unsqueeze(0).contiguous(), None
