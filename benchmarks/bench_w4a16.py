@@ -334,6 +334,8 @@ def today_facts(spec, n_tokens):
     E, H, I, K = spec["E"], spec["H"], spec["I"], spec["K"]
     cfg = ops.get_config("nvfp4_w4a16", E, H, I, K, n_tokens)
     out = {}
+    if cfg.get("w4a16") is not None:  # the W4A16 tile path's kernels: compile_counts has them
+        return cfg, out
     if cfg.get("decode"):
         kinds = (("decode_gemm1", "decode1", cfg["d1"], 2), ("decode_gemm2", "decode2", cfg["d2"],
                                                               1 << (K - 1).bit_length()))
@@ -368,7 +370,10 @@ def grid_report(spec, tokens, variants, layouts=LAYOUTS, sms=132):
         P = N * K
         cfg, facts = today_facts(spec, N)
         progs = {}
-        if cfg.get("decode"):
+        if cfg.get("w4a16") is not None:  # today is the W4A16 tile path: see the variant lines
+            lines.append(f"N={N} today [{describe(cfg)}]: the W4A16 tile path, "
+                         f"layout {cfg['w4a16'].get('layout')}")
+        elif cfg.get("decode"):
             progs["decode_gemm1"] = P * -(-I // cfg["d1"]["BLOCK_N"])
             progs["decode_gemm2"] = N * -(-H // cfg["d2"]["BLOCK_N"])
         else:
@@ -386,7 +391,8 @@ def grid_report(spec, tokens, variants, layouts=LAYOUTS, sms=132):
                              f"{(f.get('weight_bytes_in_flight') or 0) // 1024} KB in flight/SM, "
                              f"{f.get('sass_per_weight')} SASS/w)")
             lines.append(f"N={N} {label}: " + "; ".join(parts))
-        line(f"today [{describe(cfg)}]", progs, facts)
+        if progs:
+            line(f"today [{describe(cfg)}]", progs, facts)
         for vn, (ln, over) in variants.items():
             lo = W.W4A16Layout(*layouts[ln])
             ni = -(-I // lo.inter_cols)
@@ -514,7 +520,13 @@ def run_shape(name, spec, tokens, layouts, variants, args, timer, device, dtype)
                 if label == "today":
                     cfg0 = ops.get_config(pw.run_as, E, H, I, K, N)
                     ent["path"] = ops.describe_config(cfg0)
-                    gemms = _today_gemms(stages, cfg0, K)
+                    w4_cfg = ops.w4a16_config(pw, cfg0, N, K)
+                    if w4_cfg is not None:  # today runs the W4A16 tile path: its own kernels
+                        ww0 = ops.w4a16_weights(pw, ops.w4a16_layout(pw, w4_cfg))
+                        gemms = _ours_gemms(stages, ww0,
+                                            ops.w4a16_call_config(ww0, w4_cfg, N, K))
+                    else:
+                        gemms = _today_gemms(stages, cfg0, K)
                 else:
                     ww, cfg = extra
                     ent["path"] = "fused" if cfg.get("fused") else "grouped"

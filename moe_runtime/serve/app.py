@@ -252,7 +252,8 @@ class _Server:
             vocab = self.engine.loaded.model.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise invalid(f"token ids must lie in [0, {vocab}); got {clip(bad[:3])}", "prompt", "invalid_value")
+                raise invalid(f"token ids must lie in [0, {vocab}); got {clip(bad[:3])}",
+                              "prompt", "invalid_value")
             ids = list(prompt)
         if not ids:
             raise invalid("the prompt is empty", "prompt", "invalid_value")

@@ -24,7 +24,6 @@ from moe_runtime.planner import (
 )
 from moe_runtime.reference_math import quantize_expert_weights, reference_fused_experts
 from moe_runtime.testing.registries import registry_of
-from moe_runtime.tuning.command import tuning_for
 from moe_runtime.tuning.cache import (
     Measurement,
     Section,
@@ -35,6 +34,7 @@ from moe_runtime.tuning.cache import (
     problem_key,
     write_sections,
 )
+from moe_runtime.tuning.command import tuning_for
 
 CPU = Environment("cpu", None, frozenset({"torch"}), "cpu")
 ANY = Hardware(devices=("cpu",))

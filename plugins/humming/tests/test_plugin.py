@@ -134,9 +134,8 @@ def test_routing_makes_no_scalar_copies_that_a_cuda_graph_capture_refuses():
     """``cuda_tensor[i] = 3`` copies a pageable host scalar into device memory, which a CUDA-graph
     capture refuses (the H200 tune of 2026-12-04 found the routing doing it, so humming never
     captured). On CPU the same assignment shows as ``aten.copy_`` from a 0-dim tensor."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from moe_runtime_humming.backend import route
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class ScalarCopies(TorchDispatchMode):
         def __init__(self):
