@@ -326,7 +326,10 @@ def run_rows(args) -> int:
                 continue
             w = lw.bf16 if fmt == "bf16" else lw.fp8(a13, a2)
             pw = ops.prepare_weights(w)
-            tw = {True: tma.prepare_tma(pw, fused_gu=True), False: tma.prepare_tma(pw, False)}
+            # the views are the ones today's path builds and keeps with pw (ops.tma_weights), made
+            # when a candidate first asks: two private copies besides those held 12+ GiB more on
+            # the largest shape and ran an 80 GB card out of memory (H100, 2026-12-06)
+            tw = _LazyViews(ops, pw)
             for N in tokens:
                 if args.rows and f"{sname}:{N}:{fmt}" not in args.rows:
                     continue
@@ -338,6 +341,14 @@ def run_rows(args) -> int:
                 try:
                     rows.append(_one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw,
                                          tw, N, device, dtype, ceil))
+                except torch.OutOfMemoryError as exc:
+                    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+                    rows.append({"shape": sname, "tokens": N, "format": fmt,
+                                 "error": f"out of memory on this {gib:.0f} GiB card (weights "
+                                          f"and views of {sname} {fmt} held): "
+                                          f"{str(exc).split('.')[0]}"})
+                    tw.pop(False, None)  # keep the layout today's path uses; retry room
+                    torch.cuda.empty_cache()
                 except Exception as exc:
                     traceback.print_exc()
                     rows.append({"shape": sname, "tokens": N, "format": fmt,
@@ -354,6 +365,23 @@ def run_rows(args) -> int:
     _write(args, meta, rows)
     B.log(markdown(meta, rows))
     return 0
+
+
+class _LazyViews(dict):
+    """``{fused_gu: TmaWeights}`` of ``pw``, each built (through ``ops.tma_weights``, so shared
+    with today's path) on first lookup; ``pop`` drops one from ``pw`` too."""
+
+    def __init__(self, ops, pw):
+        super().__init__()
+        self._ops, self._pw = ops, pw
+
+    def __missing__(self, fused_gu):
+        made = self[fused_gu] = self._ops.tma_weights(self._pw, fused_gu)
+        return made
+
+    def pop(self, key, *default):
+        self._pw.tma_views.pop(key, None)
+        return super().pop(key, *default)
 
 
 def _one_row(args, B, ops, tma, timer, gen, spec, sname, fmt, w, pw, tw, N, device, dtype, ceil):

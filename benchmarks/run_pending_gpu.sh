@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/run_pending_gpu.sh serve     # issue 15: both sides, every fix; ~8 min
 #                                                # (carry .gpu_carry/serve_whl)
-#   bash benchmarks/run_pending_gpu.sh kernels   # issues 14 and 20: TMA and W4A16 paths; ~8 min
+#   bash benchmarks/run_pending_gpu.sh kernels   # issues 14 and 20: TMA and W4A16 paths; ~9 min
 #   bash benchmarks/run_pending_gpu.sh tune      # issue 14: tune triton vs humming; ~5 min
 #                                                # (carry .whl: the humming wheel)
 #   bash benchmarks/run_pending_gpu.sh conformance  # triton and humming, CUDA-graph replays too,
@@ -62,7 +62,7 @@ kernels)
     step bench_w4a16 180 python benchmarks/bench_w4a16.py --shapes qwen3-30b-a3b deepseek-v3 \
         --out "$OUT/w4a16"
     # every declared combination of the backend with the TMA path forced where it can run
-    step conformance_tma 90 env MOE_TRITON_TMA=1 moe-runtime conformance triton
+    step conformance_tma 240 env MOE_TRITON_TMA=1 moe-runtime conformance triton
     ;;
 tune)
     wheels .whl
