@@ -413,13 +413,13 @@ def _profile_side(loaded, prompts, args, clients: int, side: str = "") -> dict:
     return out
 
 
-def _profiles(loaded, prompts, args) -> dict | None:
-    """``--profile-clients``'s tables by side; a failure is reported, not raised (it comes after
-    the measurements, which are written either way)."""
+def _profiles(loaded, prompts, args, sides=None) -> dict | None:
+    """``--profile-clients``'s tables by side (``sides``, default every side); a failure is
+    reported, not raised (it comes after the measurements, which are written either way)."""
     if not args.profile_clients:
         return None
     out = {}
-    for side in args.side_list:
+    for side in sides or args.side_list:
         try:
             out[side] = _profile_side(loaded[side], prompts, args, args.profile_clients,
                                       side=side)
@@ -497,7 +497,8 @@ def render_markdown(report: dict) -> str:
         f"Workload: prompts of {work['prompt_len']} tokens, {work['max_tokens']} output tokens "
         f"per request ({'EOS ignored' if work['ignore_eos'] else 'stops at EOS'}), greedy; each "
         f"client sends {work['requests_per_client']} request(s) back to back; engine max batch "
-        f"{work['max_batch_size']}; {work['repeats']} repetition(s), sides alternating; "
+        f"{work['max_batch_size']}; {work['repeats']} repetition(s), "
+        f"{'one side at a time' if report.get('one_side_at_a_time') else 'sides alternating'}; "
         f"req/s and tok/s are medians over repetitions, TTFT/TPOT over all measured requests.",
         "",
     ]
@@ -658,6 +659,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-clients", type=int, default=None, metavar="N",
                    help="also time one eager wave of N clients per side, step by step: "
                         "attention, MoE, rest of the forward, sampler, host loop")
+    p.add_argument("--one-side-at-a-time", action="store_true",
+                   help="load, run and free each side before the next is loaded (for a card that "
+                        "cannot hold both sides' weights at once, e.g. 80 GB with a full-depth "
+                        "checkpoint whose other side is dequantized to bf16); repetitions do not "
+                        "alternate between the sides then")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore it, fixed output lengths)")
     p.add_argument("--quick", action="store_true",
@@ -700,8 +706,9 @@ def main(argv=None) -> int:
     device = _resolve_device(args.device)
     levels = args.client_levels
 
-    loaded, info = {}, {}
-    for side in args.side_list:
+    loaded, info, plans = {}, {}, {}
+
+    def load(side):
         held = _memory()
         start = time.perf_counter()
         loaded[side] = load_for_serving(
@@ -712,27 +719,54 @@ def main(argv=None) -> int:
             import torch
 
             torch.cuda.synchronize()
+        plans[side] = loaded[side].plan_json()
         info[side] = {"load_s": time.perf_counter() - start,
-                      "experts": _side_experts(loaded[side].plan_json()),
-                      "plan": loaded[side].plan_json()}
+                      "experts": _side_experts(plans[side]), "plan": plans[side]}
         if held is not None:
             info[side]["weights_gib"] = _memory()[0] - held[0]
         print(f"{side}: loaded in {info[side]['load_s']:.1f} s; experts: {info[side]['experts']}",
               flush=True)
 
+    def free(side):
+        import gc
+
+        del loaded[side]
+        gc.collect()
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    sequential = args.one_side_at_a_time and len(args.side_list) > 1
+    for side in (args.side_list[:1] if sequential else args.side_list):
+        load(side)
     first = loaded[args.side_list[0]]
     count = max(levels) * args.requests_per_client
     prompts = make_prompts(first.tokenizer, count, args.prompt_len)
+    del first
     total = (len(args.side_list) * len(args.mode_list) * args.repeats
              * sum(c * args.requests_per_client for c in levels))
     bar = tqdm(total=total, desc="requests", unit="req", disable=args.no_progress)
     raw: dict[str, list[dict]] = {s: [] for s in args.side_list}
-    for rep in range(args.repeats):
-        order = args.side_list if rep % 2 == 0 else list(reversed(args.side_list))
-        for side in order:
-            bar.set_postfix_str(f"rep {rep + 1}/{args.repeats} {side}")
-            raw[side].append(_run_side(loaded[side], prompts, args, levels,
-                                       warm_levels=rep == 0, bar=bar, side=side))
+    profiles: dict = {}
+    if sequential:
+        for side in args.side_list:
+            if side not in loaded:
+                load(side)
+            for rep in range(args.repeats):
+                bar.set_postfix_str(f"rep {rep + 1}/{args.repeats} {side}")
+                raw[side].append(_run_side(loaded[side], prompts, args, levels,
+                                           warm_levels=rep == 0, bar=bar, side=side))
+            profiles.update(_profiles({side: loaded[side]}, prompts, args, sides=[side]) or {})
+            free(side)
+    else:
+        for rep in range(args.repeats):
+            order = args.side_list if rep % 2 == 0 else list(reversed(args.side_list))
+            for side in order:
+                bar.set_postfix_str(f"rep {rep + 1}/{args.repeats} {side}")
+                raw[side].append(_run_side(loaded[side], prompts, args, levels,
+                                           warm_levels=rep == 0, bar=bar, side=side))
+        profiles = _profiles(loaded, prompts, args) or {}
     bar.close()
 
     results: dict[str, dict] = {}
@@ -766,8 +800,8 @@ def main(argv=None) -> int:
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
         "environment": _environment(device),
-        "model": {"path": str(model_dir), "summary": _model_summary(Path(model_dir),
-                                                                    first.plan_json())},
+        "model": {"path": str(model_dir), "summary": _model_summary(
+            Path(model_dir), plans[args.side_list[0]])},
         "workload": {"clients": levels, "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                      "requests_per_client": args.requests_per_client, "repeats": args.repeats,
@@ -778,7 +812,8 @@ def main(argv=None) -> int:
         "side_info": info,
         "results": results,
         "greedy_agreement": _agreement(raw, args.side_list),
-        "profile": _profiles(loaded, prompts, args),
+        "profile": profiles or None,
+        "one_side_at_a_time": sequential,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

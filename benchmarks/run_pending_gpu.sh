@@ -131,9 +131,15 @@ gqa)
         tests/serve/test_engine_cuda_graphs.py -k "grouped_query or decode_gives"
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    step bench_serve 300 python benchmarks/bench_serve.py --gqa-attention \
+    # one side at a time: both sides' weights (ours NVFP4, theirs dequantized to bf16: 56 GiB)
+    # do not fit an 80 GB card together
+    step bench_serve 330 python benchmarks/bench_serve.py --gqa-attention --one-side-at-a-time \
         --model /tmp/q30 --device cuda --clients 1,4,16,64 --prompt-len 128 --max-tokens 32 \
         --repeats 1 --no-progress --out "$OUT/serve"
+    # moe-runtime without it, same card and run: what the attention alone changes
+    step bench_serve_off 120 python benchmarks/bench_serve.py --sides moe-runtime \
+        --modes in-process --model /tmp/q30 --device cuda --clients 16,64 --prompt-len 128 \
+        --max-tokens 32 --repeats 1 --no-progress --out "$OUT/serve_off"
     step profile_serve 80 env MOE_RUNTIME_GQA_ATTENTION=1 python benchmarks/profile_serve.py \
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
