@@ -475,7 +475,7 @@ def _stage_times(timer, tma, x, ids, wts, tw, cfg, spec, valid_pairs, rate, row,
     tma.fused_moe_tma(x, ids, wts, tw, config=cfg, _stages=stages)
     out = {}
     for name, fn, _ in stages:
-        t = timer.run([fn], target_s=0.05)
+        t, _graphed = B.stage_seconds(timer, fn, use_graph=False)  # host-bound ones from a graph
         out[name] = round(t * 1e6, 1)
         if name in ("gemm1", "gemm2"):
             tf = _gemm_tflops(spec, valid_pairs, name, t)
@@ -528,7 +528,10 @@ def markdown(meta, rows) -> str:
              "GEMMn % mm: the GEMM's valid-row TFLOP/s as a share of the measured matmul rate; "
              "loop: the same on every row it computes (each expert's last block padded to "
              "BLOCK_M), the main loop's rate. Rows up to --graph-max-tokens: the better of eager "
-             "and CUDA-graph replay on each side.", "",
+             "and CUDA-graph replay on each side. Stages: each alone; one under "
+             f"{B.STAGE_GRAPH_BELOW_S * 1e6:.0f} us eagerly (host-bound: launches) is timed from a "
+             "graph of its launches. The peer ratio holds only where this run's device is the "
+             "old run's (an H200).", "",
              "| shape | tokens | format | today (us) | TMA best (us) | TMA / today | vs peer "
              "(old run) | TMA % flops roof | GEMM1 % mm (loop) | GEMM2 % mm (loop) | padding "
              "M64 / M128 | best config | stages (us) |",
