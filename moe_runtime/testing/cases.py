@@ -3,7 +3,8 @@
 Every number a case uses comes from the declaration it checks or from the format's storage:
 sizes are built from the block's ``shape_multiple`` and the format's block size (the smallest sizes
 admitted, sizes that are not multiples of 16 where admitted), experts cases run each block at its
-own ``max_tokens_per_forward`` (2048 tokens where it declares none) and never past it,
+own ``max_tokens_per_forward`` (where it declares none, at the planner's default deployment's
+batch, 4096 tokens) and never past it, experts on another rank than the first get local ids,
 communication cases run each mode at its own ``max_tokens_per_rank`` and at every world size from
 1 to 4 it admits. Which problems a
 block accepts is decided by :meth:`Support.check`, the planner's own rule.
@@ -20,6 +21,7 @@ from moe_runtime import formats as F
 from moe_runtime.backend_api import LayerProblem
 from moe_runtime.declarations import CommBackendSpec, CommSupport, ExpertsBackendSpec, Support
 from moe_runtime.environment import Environment
+from moe_runtime.planner import Deployment
 from moe_runtime.plugin.registry import Registry
 
 # The largest per-rank batch a communication case sends on this machine; a declared bound above it
@@ -29,9 +31,11 @@ MAX_CASE_TOKENS_PER_RANK = 4096
 UNBOUNDED_CASE_TOKENS = 256
 # World sizes tried where a mode admits them ("any" means these).
 CASE_WORLD_SIZES = (1, 2, 3, 4)
-# The batch an experts block without a declared token bound is run at once (past every other
-# shape's 512 tokens, with small sizes so it stays fast on a CPU).
-UNBOUNDED_CASE_TOKENS_PER_FORWARD = 2048
+# The batch an experts block without a declared token bound is run at once: what the planner's
+# default deployment sends one forward (``Deployment().max_tokens_per_rank``), past every other
+# shape's 512 tokens, with small sizes so it stays fast on a CPU. (At 2048 a kernel with a fixed
+# 2048-row workspace passed, and the planner chose it for the default 4096-token deployment.)
+UNBOUNDED_CASE_TOKENS_PER_FORWARD = Deployment().max_tokens_per_rank
 # The largest batch an experts case sends; a declared bound above it is run at this size and the
 # case id says so (``token_bound-16384-of-65536``).
 MAX_CASE_TOKENS_PER_FORWARD = 16384
@@ -56,6 +60,14 @@ class Shape:
     routing: str = "random"
     # "random" (about N(0, 1)) | "gelu_tail": every gate pre-activation in about [-4, -3]
     gates: str = "random"
+    # the backend runs as rank ep_rank of ep_size: ``experts`` is its local experts' count, the
+    # layer has ``experts * ep_size``, the dispatched ids are local (0 .. experts - 1) or -1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    @property
+    def global_experts(self) -> int:
+        return self.experts * self.ep_size
 
     @property
     def label(self) -> str:
@@ -113,6 +125,10 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         Shape("batch", 33, _up(128, m), h, 8, 2),
         # experts on other ranks: some top-k ids are -1 (token-major only)
         Shape("remote_slots", 10, h, i, 8, 3, "remote_slots"),
+        # the same on rank 1 of 2: its 8 experts are the layer's 8-15, dispatched as local ids
+        # 0-7 (a backend that subtracts first_local_expert again, or reads global ids, is caught;
+        # on rank 0 the offset is 0 and hides it)
+        Shape("remote_slots_rank1of2", 10, h, i, 8, 3, "remote_slots", ep_rank=1, ep_size=2),
         # the smallest sizes the declaration admits, in a few tokens and in a batch large enough
         # for a backend's large-batch path (the GEMM-shaped one)
         Shape("smallest_sizes", 5, m, m, 4, 2),
@@ -126,6 +142,10 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         # off the exact (erf) GELU the reference computes (on N(0, 1) gates it is 1e-4 of the
         # range, inside every budget: a tanh-GELU backend passed the other cases)
         Shape("gelu_tail", 128, h, i, 8, 2, gates="gelu_tail"),
+        # long reductions, as real layers have (hidden 2048-7168): an accumulator kept in the
+        # model dtype loses about sqrt(K / 16) roundings' worth of precision, which K <= 128
+        # hides inside the budget (a backend rounding its sum to bf16 every 16 columns passed)
+        Shape("long_reduction", 8, _up(4096, m), _up(512, m), 2, 2),
     ]
     rh, ri = _ragged(72, m), _ragged(40, m)
     if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16
@@ -138,7 +158,7 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
 
 
 def _problem(fmt: str, activation: str, shape: Shape) -> LayerProblem:
-    return LayerProblem("conformance.layer", fmt, activation, shape.experts, shape.top_k,
+    return LayerProblem("conformance.layer", fmt, activation, shape.global_experts, shape.top_k,
                         shape.hidden, shape.intermediate)
 
 

@@ -276,9 +276,9 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     spec = registry.experts_spec(case.backend)
     support = spec.supports[case.support_index]
     dtype = model_dtype(registry, case.format)
-    problem = LayerProblem("conformance.layer", case.format, case.activation, case.shape.experts,
-                           case.shape.top_k, case.shape.hidden, case.shape.intermediate,
-                           dtype=str(dtype).replace("torch.", ""))
+    problem = LayerProblem("conformance.layer", case.format, case.activation,
+                           case.shape.global_experts, case.shape.top_k, case.shape.hidden,
+                           case.shape.intermediate, dtype=str(dtype).replace("torch.", ""))
     failure = support.hardware.check(env)
     if not failure:
         raise ConformanceSkip(
@@ -295,7 +295,8 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x, checked=False):
         bspec = registry.experts_spec(backend_name)
         setup = ExpertsSetup(problem=attrs.evolve(problem, format=w.format), runs_as=runs_as,
-                             payload=payload, layout=case.layout, device=dev)
+                             payload=payload, layout=case.layout, device=dev,
+                             ep_rank=case.shape.ep_rank, ep_size=case.shape.ep_size)
         cls = load_factory(bspec.factory, backend_name)
         w = w.to(dev)
         d, handle, comm = _dispatch_locally(problem, case.layout, x.to(dev), ids.to(dev),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_runtime.planner import Deployment
+from moe_runtime.testing.cases import UNBOUNDED_CASE_TOKENS_PER_FORWARD as UNBOUNDED
 from moe_runtime.testing.dists import build_plugin_dist, pip_install_target, run_cli
 
 HERE = Path(__file__).parent / "backends"
@@ -47,6 +49,12 @@ LIARS = {
     "liar_bound_at_64": ("BreaksAt64", 'Support(formats=["bf16"], max_tokens_per_forward=64, '
                          'hardware=CPU)'),
     "liar_no_bound_past_512": ("BreaksAbove512", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_no_bound_past_2048": ("BreaksAbove2048", 'Support(formats=["bf16"], hardware=CPU)'),
+    # expert parallelism: local ids shifted by the rank's first expert once more
+    "liar_ids_shifted": ("LocalIdsShiftedAgain", 'Support(formats=["bf16"], hardware=CPU)'),
+    # a 16-bit accumulator (rounded every 16 columns of the reduction)
+    "liar_dtype_accumulation": ("ModelDtypeAccumulation", 'Support(formats=["bf16", "fp16"], '
+                                'activations=["silu", "gelu"], hardware=CPU)'),
 }
 # honest backends beside honest_bf16: right within the bound they declare, wrong past it
 BOUNDED = {
@@ -234,7 +242,7 @@ def test_one_expert_gets_more_rows_than_a_tile(verdicts):
     _, by = verdicts
     failed = by["liar_rows_past_tile"]["failed"]
     # (the 2048-token case of an unbounded block gives each expert about 512 rows too)
-    assert failed and all("all_to_one_expert_batch" in c or "unbounded_tokens2048" in c
+    assert failed and all("all_to_one_expert_batch" in c or f"unbounded_tokens{UNBOUNDED}" in c
                           for c in failed), failed
     assert any("all_to_one_expert_batch" in c for c in failed), failed
 
@@ -256,10 +264,44 @@ def test_a_backend_short_of_its_declared_token_bound_fails_at_the_bound(verdicts
 
 
 def test_an_undeclared_token_bound_is_found_past_512_tokens(verdicts):
-    # every other shape has at most 512 tokens: only the 2048-token case reaches its limit
+    # every other shape has at most 512 tokens: only the unbounded case reaches its limit
     _, by = verdicts
     failed = by["liar_no_bound_past_512"]["failed"]
-    assert failed and all("unbounded_tokens2048" in c for c in failed), failed
+    assert failed and all(f"unbounded_tokens{UNBOUNDED}" in c for c in failed), failed
+
+
+def test_an_undeclared_bound_is_run_at_the_default_deployments_batch(verdicts):
+    # a fixed 2048-row workspace passed when the unbounded case had 2048 tokens, and the planner
+    # chose the block for its default 4096-token deployment
+    _, by = verdicts
+    assert UNBOUNDED == Deployment().max_tokens_per_rank
+    failed = by["liar_no_bound_past_2048"]["failed"]
+    assert failed and all(f"unbounded_tokens{UNBOUNDED}" in c for c in failed), failed
+
+
+def test_local_ids_shifted_by_the_rank_are_caught_on_rank_one(verdicts):
+    # on rank 0 the shift is 0: only the rank-1-of-2 case can see it
+    _, by = verdicts
+    failed = by["liar_ids_shifted"]["failed"]
+    assert failed and all("remote_slots_rank1of2" in c for c in failed), failed
+    assert any("remote_slots-h" in c for c in by["liar_ids_shifted"]["passed"])
+
+
+def test_a_sixteen_bit_accumulator_fails_the_long_reduction(verdicts):
+    # K <= 128 hides it inside the budgets; K = 4096 does not, in both 16-bit dtypes
+    _, by = verdicts
+    failed = by["liar_dtype_accumulation"]["failed"]
+    for fmt in ("bf16", "fp16"):
+        long_k = [c for c in failed if c.startswith(f"liar_dtype_accumulation-{fmt}-")
+                  and "long_reduction" in c]
+        assert long_k, (fmt, failed)
+
+
+def test_the_honest_backend_runs_the_new_cases(verdicts):
+    _, by = verdicts
+    passed = by["honest_bf16"]["passed"]
+    for shape in ("long_reduction", "remote_slots_rank1of2", f"unbounded_tokens{UNBOUNDED}"):
+        assert any(shape in c for c in passed), (shape, passed[:5])
 
 
 def test_an_unregistered_name_is_one_line_not_a_traceback(site):

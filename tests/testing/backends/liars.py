@@ -185,3 +185,56 @@ class BreaksAbove512(_ZeroRowsPast):
     """Declares no token bound, but rows past 512 come back as zeros."""
 
     LIMIT = 512
+
+
+class BreaksAbove2048(_ZeroRowsPast):
+    """Declares no token bound, but holds a fixed workspace of 2048 rows: the planner's default
+    deployment sends 4096 tokens a forward."""
+
+    LIMIT = 2048
+
+
+class LocalIdsShiftedAgain(ReferenceExperts):
+    """Treats the dispatched (already local) expert ids as global ones and subtracts this rank's
+    first expert: right on rank 0, wrong on every other rank."""
+
+    def forward(self, d):
+        if d.topk_ids is not None and self.setup.first_local_expert:
+            off = self.setup.first_local_expert
+            ids = d.topk_ids
+            shifted = ids - off
+            # ids that fall outside the local range count as remote (-1), as such a kernel skips them
+            shifted = shifted.masked_fill((ids < 0) | (shifted < 0), -1)
+            d = attrs.evolve(d, topk_ids=shifted)
+        return super().forward(d)
+
+
+class ModelDtypeAccumulation(ReferenceExperts):
+    """Both GEMMs accumulate in the model dtype: the running sum is rounded to bf16 / fp16 after
+    every 16 columns of the reduction (an MMA with a 16-bit accumulator), not kept in float32."""
+
+    STEP = 16
+
+    def forward(self, d):
+        import torch
+
+        exact_mm = torch.Tensor.__matmul__
+        dtype = d.out_dtype or torch.bfloat16
+        step = self.STEP
+
+        def rounded_mm(a, b):
+            k = a.shape[-1]
+            if k <= step or not a.is_floating_point():
+                return exact_mm(a, b)
+            acc = None
+            for k0 in range(0, k, step):
+                part = exact_mm(a[..., k0:k0 + step].float(), b[k0:k0 + step].float())
+                acc = part if acc is None else acc.float() + part
+                acc = acc.to(dtype)
+            return acc.to(torch.promote_types(a.dtype, b.dtype))
+
+        torch.Tensor.__matmul__ = rounded_mm
+        try:
+            return super().forward(d)
+        finally:
+            torch.Tensor.__matmul__ = exact_mm
