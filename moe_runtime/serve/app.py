@@ -17,7 +17,9 @@ decoded here) or with a ``Content-Type`` that is not JSON (415: ``application/js
 as JSON, as ``vllm serve`` reads it, unless a web page sent it; ``text/plain`` or the form type
 that ``curl -d`` sends is refused), nested deeper than ``protocol.MAX_JSON_DEPTH``, not standard JSON,
 or holding an object with a key twice (400, ``duplicate_key``: never "the last one wins"); a client
-that leaves mid-request is logged as status 499, with no traceback. What an error echoes of the
+that leaves mid-request is logged as status 499, with no traceback; one that leaves while its
+whole (not streamed) answer is generated has its generation cancelled, as a stream's is, and is
+logged 499 ``finish=abort``. What an error echoes of the
 request (a path, a model name, a header) is bounded by ``protocol.clip``.
 """
 
@@ -357,12 +359,27 @@ class _Server:
                                      headers={"Cache-Control": "no-cache"})
         self.metrics.in_progress.inc()
         started = time.perf_counter()
+        lasts: dict[int, Delta] = {}  # each choice's latest delta, kept for a client that leaves
         try:
-            results = await _all(_collect(stream) for stream in streams)
+            results = await _unless_client_leaves(request, _all(
+                _collect(stream, lasts, job.index) for job, stream in zip(jobs, streams,
+                                                                          strict=True)))
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
         except EngineError as exc:
             raise APIError(500, f"generation failed: {exc}", type="server_error") from None
+        except ClientDisconnect:
+            # the client left before its answer: its engine requests are cancelled already;
+            # counted as a stream whose client left is, and logged 499 by _Guard
+            for job in jobs:
+                last = lasts.get(job.index)
+                self._account(route, request, job, last,
+                              None if last is not None and last.finish_reason else "abort",
+                              started=started)
+            request.state.moe_request.update(
+                completion_tokens=sum(len(d.token_ids) for d in lasts.values()),
+                finish_reason="abort")
+            raise
         finally:
             self.metrics.in_progress.dec()
         choices = []
@@ -555,14 +572,48 @@ def _usage(prompt_tokens: int, lasts: list) -> dict:
             "total_tokens": prompt_tokens + completion}
 
 
-async def _collect(stream: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    """A whole response: its text and its last delta."""
+async def _collect(stream: AsyncIterator[Delta], lasts: dict | None = None,
+                   key: int = 0) -> tuple[str, Delta]:
+    """A whole response: its text and its last delta (also kept in ``lasts[key]`` as it comes,
+    for a response cut short)."""
     parts, last = [], None
     async with contextlib.aclosing(stream):
         async for delta in stream:
             parts.append(delta.text)
             last = delta
+            if lasts is not None:
+                lasts[key] = delta
     return "".join(parts), last
+
+
+async def _client_left(request: Request) -> None:
+    """Return once the client has gone (its body is read already: the next ASGI message is
+    ``http.disconnect``, which uvicorn sends when the connection closes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_client_leaves(request: Request, awaitable):
+    """``awaitable``'s result; if the client leaves first, ``awaitable`` is cancelled (and
+    awaited) and :class:`ClientDisconnect` raised. A watcher task waits for the disconnect and
+    never outlives this call."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watcher.done() and watcher.exception() is None:
+            work.cancel()
+            await asyncio.wait((work,))  # its engine requests cancelled before this returns
+            if work.cancelled():
+                raise ClientDisconnect()
+        return await work  # done (or the watcher failed: wait for the work alone)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(watcher, work, return_exceptions=True)
 
 
 async def _all(coroutines) -> list:

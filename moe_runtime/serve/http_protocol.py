@@ -11,7 +11,11 @@ one whose body is late is cut off (the handler sees the client disconnect, as fo
 left). A response being sent is never cut: the deadline stops once the request has arrived.
 A request that is not HTTP/1.1 (a bad request line, a header without a colon, a head over h11's
 limit) is answered 400 in OpenAI's error shape naming what h11 refused, where uvicorn answers a
-plain-text "Invalid HTTP request received." that no OpenAI client can parse.
+plain-text "Invalid HTTP request received." that no OpenAI client can parse. So is a request
+that declares its body's length twice, with both ``Content-Length`` and ``Transfer-Encoding``
+(RFC 9112 section 6.1: a proxy in front may frame it by the other header, so the bytes after the
+body this server reads would be smuggled in as a request of their own): h11 reads it as chunked and
+keeps the connection; here it is refused and the connection closed, as the RFC asks.
 """
 
 from __future__ import annotations
@@ -35,14 +39,24 @@ def _timeout_response(seconds: float) -> bytes:
     return head + body
 
 
-def _malformed_body(detail: str) -> bytes:
+def _malformed_body(detail: str, advice: str = "") -> bytes:
     from moe_runtime.serve.protocol import clip
 
+    advice = advice or ("send HTTP/1.1: a request line 'METHOD /path HTTP/1.1', 'Name: value' "
+                        "header lines, a blank line, then a body of the Content-Length declared")
     return json.dumps({"error": {
-        "message": f"malformed HTTP request: {clip(detail or 'unreadable', 200)}; send HTTP/1.1: "
-                   "a request line 'METHOD /path HTTP/1.1', 'Name: value' header lines, a blank "
-                   "line, then a body of the Content-Length declared",
+        "message": f"malformed HTTP request: {clip(detail or 'unreadable', 200)}; {advice}",
         "type": "invalid_request_error", "param": None, "code": "malformed_http_request"}}).encode()
+
+
+FRAMING_CONFLICT = ("the request has both a Content-Length and a Transfer-Encoding header, which "
+                    "frame its body in two ways (RFC 9112 section 6.1)")
+FRAMING_ADVICE = "send one of them: Content-Length for a body of known length, else chunked"
+
+
+def _framing_conflict(event: h11.Request) -> bool:
+    names = {name for name, _ in event.headers}  # h11 gives them lower-cased
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
@@ -54,6 +68,7 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
         def connection_made(self, transport) -> None:  # type: ignore[override]
             self._read_deadline = None
             self._protocol_error = ""
+            self._protocol_advice = ""
             super().connection_made(transport)
             self._arm_read_deadline()
             # keep what h11 refused (uvicorn's handler drops it) for the 400's message
@@ -61,17 +76,22 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
 
             def next_event():
                 try:
-                    return events()
+                    event = events()
                 except h11.RemoteProtocolError as exc:
                     self._protocol_error = str(exc)
                     raise
+                if isinstance(event, h11.Request) and _framing_conflict(event):
+                    # refused before the app sees it; uvicorn answers send_400_response
+                    self._protocol_error, self._protocol_advice = FRAMING_CONFLICT, FRAMING_ADVICE
+                    raise h11.RemoteProtocolError(FRAMING_CONFLICT, 400)
+                return event
 
             self.conn.next_event = next_event
 
         def send_400_response(self, msg: str) -> None:  # type: ignore[override]
             """uvicorn's 400 for what h11 cannot parse, as a JSON error naming the problem."""
-            body = _malformed_body(self._protocol_error)
-            self._protocol_error = ""
+            body = _malformed_body(self._protocol_error, self._protocol_advice)
+            self._protocol_error = self._protocol_advice = ""
             headers = [(b"content-type", b"application/json"),
                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
             try:
