@@ -19,7 +19,8 @@ that ``curl -d`` sends is refused), nested deeper than ``protocol.MAX_JSON_DEPTH
 or holding an object with a key twice (400, ``duplicate_key``: never "the last one wins"); a client
 that leaves mid-request is logged as status 499, with no traceback; one that leaves while its
 whole (not streamed) answer is generated has its generation cancelled, as a stream's is, and is
-logged 499 ``finish=abort``. What an error echoes of the
+logged 499 ``finish=abort``; a stream whose client leaves keeps the 200 it was sent and is logged
+``finish=abort client_disconnected`` too. What an error echoes of the
 request (a path, a model name, a header) is bounded by ``protocol.clip``.
 """
 
@@ -355,8 +356,8 @@ class _Server:
                    for job in jobs]
         if req.stream:
             events = self._events(request, route, req, jobs, streams, rid, created, chat=chat)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(events, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
         self.metrics.in_progress.inc()
         started = time.perf_counter()
         lasts: dict[int, Delta] = {}  # each choice's latest delta, kept for a client that leaves
@@ -501,6 +502,7 @@ class _Server:
         by_index = {job.index: job for job in jobs}
         done: set[int] = set()
         reason = None
+        ended = False  # the stream reached its end ([DONE], or an error event)
         started = time.perf_counter()
         self.metrics.in_progress.inc()
         merged = _merge(streams, [job.index for job in jobs])
@@ -530,20 +532,24 @@ class _Server:
                     yield chunk([choice(job, delta.text, delta.finish_reason, token_ids=new_ids,
                                         logprobs=logprobs, stop_reason=delta.stop_reason)])
                     if await request.is_disconnected():
-                        reason = "abort"
                         return
             if req.include_usage:
                 yield chunk([], _usage(_prompt_tokens(jobs), list(lasts.values())))
+            ended = True
             yield "data: [DONE]\n\n"
         except (EngineUnavailable, EngineError) as exc:
-            reason = "error"
+            reason, ended = "error", True
             status = 503 if isinstance(exc, EngineUnavailable) else 500
             err = APIError(status, str(exc), type="server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
-        except asyncio.CancelledError:
-            reason = "abort"  # the client went away; the engine requests are cancelled already
-            raise
         finally:
+            if not ended:
+                # the client went away (seen after a chunk, or as the cancellation or closing
+                # of this generator): the engine requests are cancelled by closing the merge.
+                # The 200 was sent; the access line says the client left, as a whole
+                # answer's 499 does.
+                reason = "abort"
+                request.state.moe_request["client_gone"] = True
             self.metrics.in_progress.dec()
             for job in jobs:
                 self._account(route, request, job, lasts.get(job.index),
@@ -553,6 +559,19 @@ class _Server:
                 completion_tokens=sum(len(d.token_ids) for d in lasts.values()),
                 finish_reason=",".join(sorted({(d.finish_reason or reason or "abort")
                                                for d in lasts.values()})) or reason)
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream whose generator is closed before the response returns: a
+    stream whose client left (its task cancelled while the generator waited at a ``yield``) has
+    its accounting done, and its engine requests cancelled, before ``_Guard`` writes the access
+    line, not whenever the event loop finalizes the generator."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _prompt_tokens(jobs: list[_Job]) -> int:

@@ -99,6 +99,38 @@ def test_a_whole_answer_whose_client_left_is_cancelled_and_the_next_is_served(
     assert not [line for line in log if "Traceback" in line], "\n".join(log[-40:])
 
 
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_stream_whose_client_left_is_logged_as_the_client_leaving(http, target, api_key, route):
+    """The 200 and the first chunks were sent, so the status logged stays 200 (as nginx logs a
+    response begun), but the access line says ``client_disconnected`` with ``finish=abort``, as a
+    whole answer's 499 line does, where it used to read as a stream the server aborted."""
+    done_before = finished(http)
+    request_id = f"leaves-stream-{uuid.uuid4().hex}"
+    body = json.dumps({"model": target.model, **ROUTES[route], "max_tokens": MAX_TOKENS,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n"
+            f"Content-Type: application/json\r\nx-request-id: {request_id}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    host, port = target.root.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + body)
+        received = b""
+        while received.count(b"data: ") < 3:  # a few chunks: the generation is under way
+            chunk = s.recv(65536)
+            assert chunk, received
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200 ")
+    (line,) = target.lines_with(f"request_id={request_id}", timeout=30)
+    assert f" {route} 200 " in line, line
+    assert "finish=abort" in line and "client_disconnected" in line, line
+    deadline = time.monotonic() + 30
+    while finished(http)["abort"] == done_before["abort"]:
+        assert time.monotonic() < deadline, "the stream was never counted"
+        time.sleep(0.02)
+    assert finished(http)["length"] == done_before["length"]
+    assert sample(http, "moe_runtime_requests_in_progress") == 0
+
+
 # ---------------------------------------------------------------------- the watcher, in process
 
 
