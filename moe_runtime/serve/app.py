@@ -42,6 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moe_runtime.serve.access_log import log_request, request_id, route_label
 from moe_runtime.serve.engine import Delta, Engine, EngineError, EngineUnavailable
 from moe_runtime.serve.metrics import ServerMetrics
 from moe_runtime.serve.protocol import (
@@ -55,16 +56,11 @@ from moe_runtime.serve.protocol import (
 )
 from moe_runtime.serve.sampling import SamplingParams
 
-access_log = logging.getLogger("moe_runtime.serve.access")
 log = logging.getLogger("moe_runtime.serve")
 CLIENT_GONE = 499  # the status logged (never sent) for a client that left before its response
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 UNGUARDED = ("/health", "/metrics")  # answered without the API key
-_REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                              b"-_.:/+=@")
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-           "/v1/moe/plan")
 IDENTITY = "identity"  # the one Content-Encoding accepted (as no header): bodies are never decoded
 JSON_TYPE = "application/json"  # the Content-Type of a request body (or no header, or */*+json)
 FORM = "application/x-www-form-urlencoded"  # what curl -d (and urllib) send by default
@@ -698,13 +694,14 @@ class _Guard:
         path = scope["path"]
         status_holder = {"status": 500}
         scope.setdefault("state", {})
-        request_id = _request_id(scope)
+        # the HTTP protocol may have named it first (a 400 it sent for this request's body)
+        rid = scope["state"].setdefault("request_id", request_id(scope.get("headers", ())))
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status_holder["status"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", request_id.encode())]}
+                                                  (b"x-request-id", rid.encode())]}
             await send(message)
 
         try:
@@ -720,8 +717,7 @@ class _Guard:
                 status_holder["status"] = CLIENT_GONE
             scope["state"].setdefault("moe_request", {})["client_gone"] = True
         finally:
-            self._finish(scope, path, status_holder["status"], time.perf_counter() - start,
-                         request_id)
+            self._finish(scope, path, status_holder["status"], time.perf_counter() - start, rid)
 
     def _auth_error(self, scope) -> APIError | None:
         key = self.server.api_key
@@ -740,33 +736,22 @@ class _Guard:
         return APIError(401, f"{what}; send it as 'Authorization: Bearer <key>'",
                         code="invalid_api_key")
 
-    def _finish(self, scope, path: str, status: int, seconds: float, request_id: str) -> None:
-        route = path if path in _ROUTES or path.startswith("/v1/models/") else "other"
-        if route.startswith("/v1/models/"):
-            route = "/v1/models/{model}"
-        self.server.metrics.finished_http(route, status, seconds)
-        state = scope.get("state", {}).get("moe_request", {})
+    def _finish(self, scope, path: str, status: int, seconds: float, rid: str) -> None:
+        refused = scope["state"].get("refused_by_protocol")
+        if refused is not None:  # its body broke HTTP: the protocol answered 400 (http_protocol)
+            status = refused
+        self.server.metrics.finished_http(route_label(path), status, seconds)
+        state = scope["state"].get("moe_request", {})
         extra = ""
         if "prompt_tokens" in state:
             extra = (f" id={state.get('id')} prompt_tokens={state['prompt_tokens']} "
                      f"completion_tokens={state.get('completion_tokens', 0)} "
                      f"finish={state.get('finish_reason')}")
-        if state.get("client_gone"):
+        if refused is not None:
+            extra += " malformed_http_request"
+        elif state.get("client_gone"):
             extra += " client_disconnected"
-        extra += f" request_id={request_id}"
-        client = scope.get("client") or ("-", 0)
-        access_log.info("%s:%s %s %s %d %.1fms%s", client[0], client[1], scope.get("method"),
-                        path[:200], status, seconds * 1000, extra)
-
-
-def _request_id(scope) -> str:
-    """The client's ``x-request-id`` (printable, at most 128 characters), else a new one."""
-    for name, value in scope.get("headers", ()):
-        if name == b"x-request-id":
-            if 0 < len(value) <= 128 and set(value) <= _REQUEST_ID_CHARS:
-                return value.decode()
-            break
-    return uuid.uuid4().hex
+        log_request(scope.get("client"), scope.get("method"), path, status, seconds, extra, rid)
 
 
 @attrs.frozen

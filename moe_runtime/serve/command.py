@@ -451,7 +451,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     server_state = app.state.server
     config = uvicorn.Config(app, log_config=None, log_level=level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout,
-                            http=protocol_with_read_deadline(args.request_read_timeout))
+                            http=protocol_with_read_deadline(args.request_read_timeout,
+                                                             server_state.metrics))
     server = uvicorn.Server(config)
     signals: list[int] = []  # what stopped the server, seen as uvicorn's handler receives it
     uvicorn_handle_exit = server.handle_exit

@@ -16,6 +16,12 @@ that declares its body's length twice, with both ``Content-Length`` and ``Transf
 (RFC 9112 section 6.1: a proxy in front may frame it by the other header, so the bytes after the
 body this server reads would be smuggled in as a request of their own): h11 reads it as chunked and
 keeps the connection; here it is refused and the connection closed, as the RFC asks.
+
+What the protocol answers itself (the 400 and the 408) carries ``x-request-id`` (the client's,
+when its headers were read) and has its access-log line and its count in
+``moe_runtime_requests_total``, as every response of the app has. A 400 for a body that breaks
+HTTP (a bad chunk) comes while the app handles the request: the app writes that line, with the
+status sent.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from moe_runtime.serve.access_log import log_request, request_id, route_label
+
 log = logging.getLogger("moe_runtime.serve")
 
 
-def _timeout_response(seconds: float) -> bytes:
+def _timeout_response(seconds: float, rid: str) -> bytes:
     body = json.dumps({"error": {
         "message": f"the request did not arrive whole within {seconds:g} s (the server's "
                    "--request-read-timeout); send the request line, headers and body at once",
         "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
     head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+            f"content-length: {len(body)}\r\nx-request-id: {rid}\r\n"
+            "connection: close\r\n\r\n").encode()
     return head + body
 
 
@@ -59,8 +68,9 @@ def _framing_conflict(event: h11.Request) -> bool:
     return b"content-length" in names and b"transfer-encoding" in names
 
 
-def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
-    """An :class:`H11Protocol` subclass (uvicorn's ``http=``) giving each request ``seconds``."""
+def protocol_with_read_deadline(seconds: float, metrics=None) -> type[H11Protocol]:
+    """An :class:`H11Protocol` subclass (uvicorn's ``http=``) giving each request ``seconds``;
+    what it answers itself is counted in ``metrics`` (a :class:`~.metrics.ServerMetrics`)."""
 
     class ReadDeadlineProtocol(H11Protocol):
         read_timeout = seconds
@@ -69,6 +79,8 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
             self._read_deadline = None
             self._protocol_error = ""
             self._protocol_advice = ""
+            self._refused_head = None  # (method, path, headers) of a request refused on its head
+            self._request_began = 0.0
             super().connection_made(transport)
             self._arm_read_deadline()
             # keep what h11 refused (uvicorn's handler drops it) for the 400's message
@@ -83,6 +95,9 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
                 if isinstance(event, h11.Request) and _framing_conflict(event):
                     # refused before the app sees it; uvicorn answers send_400_response
                     self._protocol_error, self._protocol_advice = FRAMING_CONFLICT, FRAMING_ADVICE
+                    self._refused_head = (event.method.decode("ascii", "replace"),
+                                          event.target.decode("ascii", "replace").partition("?")[0],
+                                          event.headers)
                     raise h11.RemoteProtocolError(FRAMING_CONFLICT, 400)
                 return event
 
@@ -92,8 +107,20 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
             """uvicorn's 400 for what h11 cannot parse, as a JSON error naming the problem."""
             body = _malformed_body(self._protocol_error, self._protocol_advice)
             self._protocol_error = self._protocol_advice = ""
+            method, path, heads = self._refused_head or ("-", "-", ())
+            self._refused_head = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # the app has this request (its body broke HTTP): it logs it, as a 400
+                state = cycle.scope.setdefault("state", {})
+                state["refused_by_protocol"] = 400
+                rid = state.setdefault("request_id", request_id(cycle.scope.get("headers", ())))
+            else:
+                rid = request_id(heads)
+                self._log_own(method, path, 400, " malformed_http_request", rid)
             headers = [(b"content-type", b"application/json"),
-                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+                       (b"content-length", str(len(body)).encode()),
+                       (b"x-request-id", rid.encode()), (b"connection", b"close")]
             try:
                 self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
                                                                  reason=b"Bad Request")))
@@ -103,8 +130,16 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
                 pass
             self.transport.close()
 
+        def _log_own(self, method: str, path: str, status: int, extra: str, rid: str) -> None:
+            """The access line and count of a response this protocol sent itself."""
+            seconds = max(0.0, self.loop.time() - self._request_began)
+            if metrics is not None:
+                metrics.finished_http(route_label(path), status, seconds)
+            log_request(self.client, method, path, status, seconds, extra, rid)
+
         def _arm_read_deadline(self) -> None:
             self._cancel_read_deadline()
+            self._request_began = self.loop.time()
             self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
 
         def _cancel_read_deadline(self) -> None:
@@ -139,7 +174,9 @@ def protocol_with_read_deadline(seconds: float) -> type[H11Protocol]:
                     return
                 log.info("%sclosed: no whole request headers within %g s (--request-read-timeout)",
                          prefix, self.read_timeout)
-                self.transport.write(_timeout_response(self.read_timeout))
+                rid = request_id(())
+                self._log_own("-", "-", 408, " request_timeout", rid)
+                self.transport.write(_timeout_response(self.read_timeout, rid))
             else:
                 log.info("%sclosed: the request body did not arrive within %g s "
                          "(--request-read-timeout)", prefix, self.read_timeout)

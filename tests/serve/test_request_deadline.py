@@ -176,3 +176,14 @@ def test_a_request_that_is_not_http_gets_a_400_in_openai_shape_and_the_server_se
     assert "unreadable" not in error["message"], error  # h11's own words name the problem
     assert error["code"] == "malformed_http_request" and error["type"] == "invalid_request_error"
     served(http, target)
+
+
+def test_the_408_carries_a_request_id_and_has_its_access_line(http, target):
+    with connect(target) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHo")
+        head = read_until_closed(s).partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 408"), head
+    (rid,) = [line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+              if line.lower().startswith(b"x-request-id:")]
+    (line,) = target.lines_with(f"request_id={rid.decode()}")
+    assert " 408 " in line and "request_timeout" in line, line

@@ -10,8 +10,10 @@ h11 alone reads such a request as chunked, serves it and keeps the connection al
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
+import uuid
 
 import pytest
 
@@ -89,3 +91,75 @@ def test_each_framing_alone_is_served_on_a_kept_alive_connection(server, api_key
         for _ in range(2):  # the same connection serves both, twice
             assert json.loads(ask(s, [f"Content-Length: {len(BODY)}"], BODY))["choices"]
             assert json.loads(ask(s, ["Transfer-Encoding: chunked"], CHUNKED))["choices"]
+
+
+def _answer(s: socket.socket) -> bytes:
+    chunks = []
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def _requests_counted(http, status: int, route: str) -> float:
+    pattern = re.compile(rf'^moe_runtime_requests_total{{route="{re.escape(route)}",'
+                         rf'status="{status}"}} (\S+)$', re.M)
+    m = pattern.search(http.get("/metrics").text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_the_framing_400_carries_the_clients_request_id_and_has_its_access_line(
+        server, http, api_key):
+    """Like every other response: the header, one access line, and a count in the metrics
+    (the protocol answers it before any app sees the request, and used to do so silently)."""
+    counted = _requests_counted(http, 400, "/v1/completions")
+    rid = f"smuggle-{uuid.uuid4().hex}"
+    with connect(server) as s:
+        s.sendall(request(api_key, [f"Content-Length: {len(CHUNKED)}", "Transfer-Encoding: chunked",
+                                    f"x-request-id: {rid}"]))
+        head = _answer(s).partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    assert _header(head, b"x-request-id") == rid.encode()
+    (line,) = server.lines_with(f"request_id={rid}")
+    assert " POST /v1/completions 400 " in line and "malformed_http_request" in line, line
+    assert _requests_counted(http, 400, "/v1/completions") == counted + 1
+
+
+def test_a_request_h11_cannot_parse_gets_a_request_id_and_an_access_line(server, http):
+    counted = _requests_counted(http, 400, "other")
+    with connect(server) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        head = _answer(s).partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    rid = _header(head, b"x-request-id")
+    assert rid, head
+    (line,) = server.lines_with(f"request_id={rid.decode()}")
+    assert " 400 " in line and "malformed_http_request" in line, line
+    assert _requests_counted(http, 400, "other") == counted + 1
+
+
+def test_a_bad_chunk_in_the_body_is_logged_as_the_400_sent(server, api_key):
+    """The app has the request when its body breaks HTTP: its one access line says 400
+    (the status sent), not 499, and has the same request id as the response."""
+    rid = f"badchunk-{uuid.uuid4().hex}"
+    with connect(server) as s:
+        s.sendall(request(api_key, ["Transfer-Encoding: chunked", f"x-request-id: {rid}"])
+                  .replace(CHUNKED, b"zz\r\n"))
+        head = _answer(s).partition(b"\r\n\r\n")[0]
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    assert _header(head, b"x-request-id") == rid.encode()
+    (line,) = server.lines_with(f"request_id={rid}")
+    assert " POST /v1/completions 400 " in line and "malformed_http_request" in line, line

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_runtime.serve.app import _ROUTES
+from moe_runtime.serve.access_log import ROUTES as _ROUTES
 from moe_runtime.serve.command import add_serve_arguments
 from moe_runtime.serve.metrics import ServerMetrics
 from moe_runtime.serve.protocol import (
