@@ -157,7 +157,7 @@ class _Server:
     def attach(self, engine: Engine) -> None:
         """Serve ``engine`` (loaded after the app started answering, or at once)."""
         engine.sampler.on_step = self.metrics.batch_sequences.observe
-        engine.on_tokens = self.metrics.observe_inter_token
+        engine.on_tokens = self.metrics.tokens_generated
         self.metrics.describe_engine(engine)
         self.engine = engine
 

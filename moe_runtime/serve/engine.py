@@ -182,7 +182,8 @@ class Engine:
         # each unfinished request's sampler key (continuous batching releases its row when the
         # batching thread delivers its last token)
         self._slots: dict[str, int] = {}
-        # called with (seconds since the request's previous tokens, number of new tokens)
+        # called with (seconds since the request's previous tokens, None for its first; the
+        # number of new tokens) as each request's tokens arrive
         self.on_tokens = None
         self.block_size = block_size
         self.eos_token_ids = self._eos_ids()
@@ -521,8 +522,8 @@ class Engine:
                 if first_token_s is None and tokens:
                     first_token_s = now - started
                 if track and len(tokens) > seen:
-                    if seen and self.on_tokens is not None:
-                        self.on_tokens(now - last_at, len(tokens) - seen)
+                    if self.on_tokens is not None:  # the first tokens have no gap before them
+                        self.on_tokens(now - last_at if seen else None, len(tokens) - seen)
                     seen, last_at = len(tokens), now
                     self._started.add(request_id)
                     self._held[request_id] = len(prompt_ids) + len(tokens)

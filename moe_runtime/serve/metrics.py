@@ -141,15 +141,14 @@ class ServerMetrics:
 
     def finished_request(self, *, route: str, prompt_tokens: int, completion_tokens: int,
                          reason: str, first_token_s: float | None, seconds: float) -> None:
-        """One generated choice ended (its prompt, tokens, reason and timings)."""
+        """One generated choice ended (its prompt, tokens, reason and timings); its tokens were
+        counted as they came (:meth:`tokens_generated`)."""
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
         self.prompt_length.observe(prompt_tokens)
         self.generation_length.observe(completion_tokens)
         self.finished.labels(reason=reason).inc()
         label = {"model_name": self.model_name}
         self.v_prompt_tokens.labels(**label).inc(prompt_tokens)
-        self.v_generation_tokens.labels(**label).inc(completion_tokens)
         self.v_prompt_len.labels(**label).observe(prompt_tokens)
         self.v_generation_len.labels(**label).observe(completion_tokens)
         self.v_success.labels(**label, finished_reason=reason).inc()
@@ -161,8 +160,14 @@ class ServerMetrics:
                 self.v_tpot.labels(**label).observe(
                     max(0.0, seconds - first_token_s) / (completion_tokens - 1))
 
-    def observe_inter_token(self, seconds: float, tokens: int) -> None:
-        """``tokens`` new tokens of one request, ``seconds`` after its previous ones."""
+    def tokens_generated(self, seconds: float | None, tokens: int) -> None:
+        """``tokens`` new tokens of one request, ``seconds`` after its previous ones (None: its
+        first). The token counters grow here, as the tokens come, so that a scrape during a long
+        generation sees it (vLLM counts them per engine step too), not only once it ends."""
+        self.generation_tokens.inc(tokens)
+        self.v_generation_tokens.labels(model_name=self.model_name).inc(tokens)
+        if seconds is None:
+            return
         child = self.v_itl.labels(model_name=self.model_name)
         for _ in range(min(tokens, 64)):
             child.observe(seconds / tokens)

@@ -83,3 +83,32 @@ def test_running_requests_and_kv_usage_show_while_a_stream_runs(server, client):
         time.sleep(0.1)
     assert _value(idle["vllm:num_requests_running"], model_name=server.model) == 0
     assert _value(idle["vllm:kv_cache_usage_perc"], model_name=server.model) == 0
+
+
+def test_generated_tokens_are_counted_while_a_long_generation_runs(server, client):
+    """A scrape during a generation sees its tokens so far (they used to be counted only once
+    the request ended: a dashboard showed nothing for a minute, then a jump)."""
+    m = {"model_name": server.model}
+
+    def counted() -> tuple[float, float]:
+        families = _families(server)
+        return (_value(families["vllm:generation_tokens"], "_total", **m),
+                _value(families["moe_runtime_generation_tokens"], "_total"))
+
+    before = counted()
+    stream = client.completions.create(model=server.model, prompt="a long story", stream=True,
+                                       max_tokens=900, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    received = 0
+    chunks = iter(stream)
+    while received < 5:
+        received += len(next(chunks).choices[0].token_ids)
+    during = counted()
+    for chunk in chunks:  # to its end, so that no token is counted after this test
+        if chunk.choices:
+            received += len(chunk.choices[0].token_ids)
+    after = counted()
+    assert received == 900
+    for was, mid, end in zip(before, during, after, strict=True):
+        assert received > mid - was >= 5, (before, during, after)
+        assert end - was == 900
