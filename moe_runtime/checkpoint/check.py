@@ -41,6 +41,7 @@ result is remembered per folder state, so the loaders that call it one after the
 from __future__ import annotations
 
 import bisect
+import errno
 import math
 import re
 import time
@@ -105,6 +106,7 @@ _SCALE_LEAF = re.compile(r"(?:^|_)scale(?:_\d+)?$")
 GENERATION_CONFIG = "generation_config.json"
 # special token ids the model and generation read; eos_token_id alone may list several
 _TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _LISTED = 3  # tensors named in one finding before "and N more"
 
 
@@ -343,6 +345,7 @@ class _Check:
         self.findings: list[Finding] = []
         self.config: dict | None = None
         self.generation_config: dict | None = None
+        self.tokenizer_files: dict[str, dict] = {}  # tokenizer.json, tokenizer_config.json
         self.tensors: dict[str, TensorMeta] = {}
         self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
         self.duplicates: list[tuple[str, str, str]] = []  # (tensor, first file, second file)
@@ -351,12 +354,15 @@ class _Check:
         self.estimate: MemoryEstimate | None = None
         self.estimate_inputs: tuple | None = None
         self._stored_experts: dict[str, set[int]] | None = None
+        self._expert_tensors: dict[str, list[str]] | None = None
 
     def add(self, rule: str, where: str, problem: str, accepted: str = "") -> None:
         self.findings.append(Finding(rule, where, problem, accepted))
 
     def add_error(self, rule: str, exc: CheckpointError) -> None:
-        self.findings.append(Finding(rule, "", str(exc)))
+        finding = Finding(rule, "", str(exc))
+        if finding not in self.findings:  # one config error hit by each module it resolves
+            self.findings.append(finding)
 
     def run(self, *, batch_size: int, context_tokens: int | None, ep_size: int,
             plan: Any = None) -> None:
@@ -411,11 +417,15 @@ class _Check:
                     fh.read(1)
             except OSError as exc:
                 why = exc.strerror or type(exc).__name__
-                if p.is_symlink() and not p.exists():
+                if exc.errno == errno.ELOOP:  # exists() is False for a loop as for a dangling link
+                    why = (f"a symbolic link to {p.readlink()} that loops: following the links "
+                           "never reaches a file")
+                elif p.is_symlink() and not p.exists():
                     why = f"a link to {p.readlink()}, which does not exist"
                 self.add("folder", str(p), f"cannot be read ({why})",
                          "a readable file, or no file of that name")
-        if not (folder / CONFIG).exists():
+        if not (folder / CONFIG).exists() and not (folder / CONFIG).is_symlink():
+            # (a link that leads nowhere is reported above, as what it is)
             self.add("folder", str(folder), "has no config.json",
                      "a Hugging Face checkpoint folder (config.json beside the weights)")
         return True
@@ -439,6 +449,8 @@ class _Check:
                 self.config = data
             elif p.name == GENERATION_CONFIG:
                 self.generation_config = data
+            elif p.name in _TOKENIZER_FILES:
+                self.tokenizer_files[p.name] = data
 
     # ------------------------------------------------------------------ 3. config and routing
 
@@ -466,6 +478,7 @@ class _Check:
         self._sizes(fields, file)
         self._constants(fields, file)
         self._token_ids(fields, file)
+        self._tokenizer_ids(fields, file)
         self._sliding_window(fields, file, cache)
         experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                             if fields.get(k) is not None), "num_experts")
@@ -573,6 +586,34 @@ class _Check:
                     problem, accepted = found
                     self.add("config", holder_file, f"{prefix}{key} is "
                              f"{_short(holder.get(key))}{problem}", accepted)
+
+    def _tokenizer_ids(self, fields: dict, file: str) -> None:
+        """The tokenizer's token ids are rows of the embeddings: a tokenizer with more tokens
+        than ``vocab_size`` (one of another model, or a vocabulary grown after the export) passed
+        the check, and serve then failed at start-up with "index out of range in self" in
+        ``embed_tokens``, naming neither the tokenizer nor ``vocab_size``. A model's vocabulary
+        may be larger than its tokenizer's (padded), never smaller."""
+        vocab = fields.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            return  # reported by _sizes, or transformers' default applies
+        where = "text_config." if fields is not self.config else ""
+        for name, ids in (("tokenizer.json", _tokenizer_json_ids),
+                          ("tokenizer_config.json", _added_tokens_decoder_ids)):
+            data = self.tokenizer_files.get(name)
+            if data is None:
+                continue
+            outside = sorted(((i, t) for i, t in ids(data) if i >= vocab), reverse=True)
+            if not outside:
+                continue
+            top, token = outside[0]
+            self.add("config", str(self.folder / name),
+                     f"holds token id {top} ({_short(token)}), but {Path(file).name}'s "
+                     f"{where}vocab_size is {vocab}" + _more(len(outside) - 1, "token id")
+                     + ": the embeddings have no row for it, so a prompt or an answer with "
+                     "that token fails (index out of range)",
+                     f"a tokenizer whose token ids are all below vocab_size {vocab} (the "
+                     "tokenizer of this model), or the vocab_size the embeddings were trained "
+                     "with")
 
     def _sliding_window(self, fields: dict, file: str, cache: AttentionCache | None) -> None:
         """``sliding_window`` is null or a number of tokens: transformers' config class takes a
@@ -724,6 +765,18 @@ class _Check:
             except HeaderError as exc:
                 self.add("index", str(index), exc.problem, exc.expected)
                 return False
+            outside = sorted({v for v in weight_map.values()
+                              if Path(v).name != v or v in ("", ".", "..")})
+            if outside:  # the loader joins the folder and the name: a path leaves the folder
+                n = sum(1 for v in weight_map.values() if v in outside)
+                self.add("index", str(index),
+                         f"maps {n} tensor(s) to {outside[0]!r}"
+                         + _more(len(outside) - 1, "shard name")
+                         + ", which is a path, not the name of a file in the checkpoint folder "
+                         "(the weights would be read from wherever it leads)",
+                         "shard file names alone (model-00001-of-00002.safetensors...), each "
+                         "file beside the index")
+                return False
             mapped = weight_map
             files = sorted(set(weight_map.values()))
             paths = []
@@ -765,6 +818,16 @@ class _Check:
                          f"maps tensor {t!r} to {f}, which does not hold it"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
                          "an index that matches its shards' headers")
+            elsewhere = [(t, f) for t, f in mapped.items() if t in self.tensors
+                         and self.tensors[t].file != f and (self.folder / f).is_file()
+                         and not any(d[0] == t for d in self.duplicates)]
+            if elsewhere:  # tools that follow the index (transformers) look in the wrong file
+                t, f = elsewhere[0]
+                self.add("index", str(index),
+                         f"maps tensor {t!r} to {f}, but {self.tensors[t].file} holds it"
+                         + _more(len(elsewhere) - 1, "tensor"),
+                         "an index that matches its shards' headers (each tensor mapped to "
+                         "the shard that stores it)")
             unlisted = sorted(t for t in self.tensors if t not in mapped)
             if unlisted:
                 self.add("index", str(index),
@@ -846,7 +909,7 @@ class _Check:
             linears = _linears(spec, tensors, layers)
         except CheckpointError as exc:
             self.add_error("quantization", exc)
-            linears = []
+            return layers  # formats unknown: the stored shapes cannot be judged (packed or not)
         self._linears(linears)
         self._attention_shapes(arch, prefix, linears)
         return layers
@@ -1095,6 +1158,7 @@ class _Check:
         for (problem, accepted), names in problems.items():
             self.add("tensors", where, f"tensor {names[0]!r} {problem}"
                      + _more(len(names) - 1, "tensor"), accepted)
+        self._unread_expert_tensors(layer, layout, bound, where)
         # no expert beyond the config's count, and the router scores exactly the experts
         beyond = sorted(e for e in self.stored_experts().get(layer.name, ())
                         if e >= layer.num_experts)
@@ -1119,6 +1183,50 @@ class _Check:
                          + ("missing" if bias is None else f"of shape {list(bias.shape)}"),
                          f"a float bias [{layer.num_experts}] (the router's topk_method "
                          "'noaux_tc' selects with it)")
+
+    def expert_tensors(self) -> dict[str, list[str]]:
+        """The tensor names under each experts container's numbered experts (one pass)."""
+        if self._expert_tensors is None:
+            found: dict[str, list[str]] = defaultdict(list)
+            pattern = re.compile(r"^(.*\.experts)\.\d+\.")
+            for name in self.tensors:
+                m = pattern.match(name)
+                if m:
+                    found[m.group(1)].append(name)
+            self._expert_tensors = found
+        return self._expert_tensors
+
+    def _unread_expert_tensors(self, layer: MoELayerInfo, layout: TensorLayout, bound: int,
+                               where: str) -> None:
+        """An expert's tensors are its format's and no others: the experts backends read the
+        format's tensors alone, so a stored bias (or any other tensor) would be dropped without a
+        word and the layer would serve other numbers than the checkpoint's."""
+        gate, up, down = layer.expert_names
+        known: set[str] = set()
+        for e in range(bound):
+            for proj in (gate, up, down):
+                known.update(t for t, _d, _s in layout.expected(layer.expert_module(e, proj),
+                                                                  1, layout.block or 1))
+        projections = "|".join(re.escape(p) for p in (gate, up, down))
+        own = re.compile(rf"^{re.escape(layer.name)}\.(\d+)\.(?:{projections})\.[^.]+$")
+        extra = []
+        for name in self.expert_tensors().get(layer.name, ()):
+            if name in known:
+                continue
+            m = own.match(name)
+            if m and int(m.group(1)) >= layer.num_experts:
+                continue  # an expert past the config's count: reported as such
+            extra.append(name)
+        if not extra:
+            return
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in known})
+        self.add("tensors", where,
+                 f"tensor {extra[0]!r} is stored, but no {layer.quant.format} expert reads it"
+                 + _more(len(extra) - 1, "tensor")
+                 + ": the experts backends take only the format's tensors, so it would be "
+                 "ignored and the layer would compute other numbers than the checkpoint's",
+                 f"per expert projection ({gate}, {up}, {down}) only "
+                 + ", ".join(leaves) + f" (what {layer.quant.format} stores)")
 
     def _embeddings(self) -> None:
         f = self._model_fields()
@@ -1310,6 +1418,33 @@ def token_id_problem(key: str, value: Any, vocab_size: int | None) -> tuple[str,
             vocabulary = f" of {vocab_size} tokens (vocab_size)" if vocab_size else ""
             return f"{which} outside the vocabulary{vocabulary}", accepted
     return None
+
+
+def _tokenizer_json_ids(data: dict) -> list[tuple[int, str]]:
+    """``(id, token)`` of a tokenizer.json's vocabulary and added tokens (what it can produce)."""
+    found: list[tuple[int, str]] = []
+    model = data.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        found += [(i, t) for t, i in vocab.items()
+                  if isinstance(i, int) and not isinstance(i, bool)]
+    elif isinstance(vocab, list) and vocab:  # Unigram: [[piece, score], ...], ids by position
+        last = vocab[-1]
+        found.append((len(vocab) - 1, last[0] if isinstance(last, list) and last else "?"))
+    for entry in data.get("added_tokens") or ():
+        if isinstance(entry, dict) and isinstance(entry.get("id"), int) \
+                and not isinstance(entry.get("id"), bool):
+            found.append((entry["id"], str(entry.get("content", "?"))))
+    return found
+
+
+def _added_tokens_decoder_ids(data: dict) -> list[tuple[int, str]]:
+    """``(id, token)`` of tokenizer_config.json's ``added_tokens_decoder`` (ids as keys)."""
+    decoder = data.get("added_tokens_decoder")
+    if not isinstance(decoder, dict):
+        return []
+    return [(int(k), str(v.get("content", "?")) if isinstance(v, dict) else "?")
+            for k, v in decoder.items() if isinstance(k, str) and k.isdigit()]
 
 
 def _tensor_problem(meta: TensorMeta | None, dtypes: tuple, shape) -> tuple[str, str] | None:

@@ -183,7 +183,8 @@ class QuantizationSpec:
             )
         if algo not in _BLOCK_ALGOS:
             return ModuleQuant(fmt, None, source)
-        size = group_size or self.group_size or NVFP4_GROUP_SIZE
+        size = next((g for g in (group_size, self.group_size) if g is not None),
+                    NVFP4_GROUP_SIZE)
         if size != NVFP4_GROUP_SIZE:
             raise CheckpointError(
                 f"{self.file_of(setting)}: {key} gives group_size {size} for {algo!r}; "
@@ -213,8 +214,10 @@ def _algo(value: Any, *, file: str, key: str, top_level: bool) -> str | None:
 
 
 def _int(value: Any, *, file: str, key: str) -> int | None:
-    if value is None or value == 0:
+    if value is None:
         return None
+    # 0 stays 0 (some exporters write it for "no groups"): a format without block scales
+    # ignores it, and NVFP4, whose blocks are 16 wide, refuses it rather than assuming 16
     if isinstance(value, bool) or not isinstance(value, int):
         raise CheckpointError(f"{file}: {key} must be an integer, found {value!r}")
     return value

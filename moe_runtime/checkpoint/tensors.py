@@ -147,6 +147,8 @@ def read_header(path: Path) -> SafetensorsHeader:
                 raise HeaderError(path, f"its header length field says {size} bytes but the file "
                                   f"has {file_size} bytes: the header is corrupt", shape_of_file)
             header = json.loads(fh.read(size))
+    except HeaderError:
+        raise  # a ValueError too: not to be reported as invalid JSON below
     except OSError as exc:
         raise HeaderError(path, f"cannot be read ({exc.strerror})", "a readable file") from exc
     except (ValueError, RecursionError) as exc:

@@ -886,3 +886,168 @@ def test_text_config_token_ids_are_checked(data_copy):
 def test_serve_refuses_a_wrong_head_dim_or_eos_token_id_at_start_up(damage_id, damaged):
     damage = next(d for d in CONFIG_VALUE_DAMAGES if d.id == damage_id)
     _assert_serve_refuses(damaged(damage), damage.needles)
+
+
+# ------------------------------------------- found by a user session damaging exports by hand
+# Each passed check and plan before its fix: a tensor of an expert that no experts backend reads
+# (served without it), a tokenizer with more tokens than the embeddings have rows (serve failed at
+# start with "index out of range in self" in embed_tokens), an NVFP4 group_size of 0 (taken as
+# 16), and an index whose shard names are paths out of the folder or name the wrong shard.
+
+
+def add_tensor(name: str, value: torch.Tensor):
+    return edit_tensors(lambda t: t.__setitem__(name, value))
+
+
+def tokenizer_of_512_tokens(folder: Path) -> None:
+    from moe_runtime.serve.tiny_tokenizer import save_tokenizer
+
+    save_tokenizer(folder, model_max_length=1024)  # the exports' vocab_size is 256
+
+
+def index_of_paths(folder: Path) -> None:
+    write_index()(folder)
+    edit_json(INDEX, lambda d: d["weight_map"].update(
+        {k: f"../{folder.name}/{WEIGHTS}" for k in d["weight_map"]}))(folder)
+
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def split_in_two_shards(folder: Path) -> dict[str, str]:
+    """model.safetensors -> two shards and an index (what ModelOpt writes for a large model)."""
+    tensors = load_file(folder / WEIGHTS)
+    names = sorted(tensors)
+    weight_map = {n: SHARDS[i * 2 // len(names)] for i, n in enumerate(names)}
+    for shard in SHARDS:
+        save_file({n: tensors[n] for n in names if weight_map[n] == shard}, folder / shard,
+                  metadata={"format": "pt"})
+    (folder / WEIGHTS).unlink()
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def index_names_the_other_shard(folder: Path) -> None:
+    weight_map = split_in_two_shards(folder)
+    weight_map["model.norm.weight"] = next(s for s in SHARDS
+                                           if s != weight_map["model.norm.weight"])
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def config_link_loop(folder: Path) -> None:
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(folder / "config.json")
+
+
+_IGNORED = "would be ignored and the layer would compute other numbers than the checkpoint's"
+
+HAND_DAMAGES = [
+    Damage("expert_bias_no_backend_reads", "qwen3_fp8",
+           add_tensor(f"{EXPERT}.down_proj.bias", torch.zeros(64, dtype=torch.bfloat16)),
+           "tensors", [f"'{EXPERT}.down_proj.bias' is stored", "no fp8_w8a8 expert reads it",
+                       _IGNORED, "input_scale, weight, weight_scale"]),
+    Damage("expert_pre_quant_scale_no_backend_reads", "qwen3_nvfp4",
+           edit_tensors(lambda t: [t.__setitem__(f"model.layers.{i}.mlp.experts.{e}.gate_proj"
+                                                 ".pre_quant_scale", torch.ones(64))
+                                   for i in range(2) for e in range(8)]),
+           "tensors", ["'model.layers.0.mlp.experts.0.gate_proj.pre_quant_scale' is stored",
+                       "(and 7 more tensors like it)", "no nvfp4_w4a4 expert reads it", _IGNORED,
+                       "weight_scale_2"]),
+    Damage("tokenizer_larger_than_the_embeddings", "qwen3_fp8", tokenizer_of_512_tokens,
+           "config", ["tokenizer.json", "holds token id 511", "config.json's vocab_size is 256",
+                      "(and 255 more token ids like it)", "index out of range",
+                      "token ids are all below vocab_size 256"]),
+    Damage("added_token_outside_the_embeddings", "qwen3_nvfp4",
+           write_text("tokenizer_config.json", json.dumps(
+               {"added_tokens_decoder": {"7": {"content": "<s>"}, "300": {"content": "<x>"}}})),
+           "config", ["tokenizer_config.json", "holds token id 300 ('<x>')", "vocab_size is 256",
+                      "below vocab_size 256"]),
+    Damage("group_size_0_for_nvfp4", "qwen3_nvfp4",
+           both_quant_configs(lambda q: q.update(group_size=0)), "group_size",
+           ["hf_quant_config.json", "group_size (with quant_algo 'NVFP4') is 0",
+            "exactly 16 elements", "group_size 16"]),
+    Damage("group_size_0_in_a_layer_entry", "qwen3_mixed",
+           layer_entry("model.layers.0.mlp.experts", quant_algo="NVFP4", group_size=0),
+           "group_size", ["quantized_layers['model.layers.0.mlp.experts'].group_size is 0"]),
+    Damage("index_shard_names_are_paths", "qwen3_fp8", index_of_paths, "index",
+           [INDEX, f"'../ckpt/{WEIGHTS}'", "is a path, not the name of a file in the checkpoint "
+            "folder", "shard file names alone"]),
+    Damage("index_names_the_other_shard", "qwen3_fp8", index_names_the_other_shard, "index",
+           [INDEX, "maps tensor 'model.norm.weight' to", "holds it",
+            "each tensor mapped to the shard that stores it"]),
+    Damage("config_json_a_link_loop", "qwen3_fp8", config_link_loop, "folder",
+           ["config.json", "cannot be read", "symbolic link", "loops"]),
+]
+
+
+@pytest.mark.parametrize("damage", HAND_DAMAGES, ids=lambda d: d.id)
+def test_damage_made_by_hand_is_refused_naming_the_problem(damage, damaged, capsys):
+    test_a_damaged_checkpoint_is_refused_by_check_and_plan_naming_the_problem(
+        damage, damaged, capsys)
+
+
+def test_a_link_loop_is_not_also_called_a_missing_config_json(damaged):
+    damage = next(d for d in HAND_DAMAGES if d.id == "config_json_a_link_loop")
+    report = check_checkpoint(damaged(damage), machine=None)
+    assert [f.rule for f in report.findings] == ["folder"], [f.paragraph for f in report.findings]
+    assert "does not exist" not in report.findings[0].paragraph
+
+
+def test_a_split_export_with_a_true_index_passes(qwen3_fp8, tmp_path):
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    split_in_two_shards(folder)
+    assert check_checkpoint(folder, machine=None).ok
+
+
+@pytest.mark.parametrize("file,change", [
+    ("hf_quant_config.json", {"group_size": 0}),  # a format without blocks: 0 says "none"
+    ("config.json", {"vocab_size": 600}),  # embeddings padded past the tokenizer's 512 tokens
+])
+def test_fp8_group_size_0_and_a_tokenizer_smaller_than_the_vocabulary_pass(file, change,
+                                                                          qwen3_fp8, tmp_path):
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    if file == "config.json":
+        tokenizer_of_512_tokens(folder)
+        edit_tensors(lambda t: [t.__setitem__(n, torch.zeros(600, 64, dtype=torch.bfloat16))
+                                for n in ("model.embed_tokens.weight", "lm_head.weight")])(folder)
+        set_config(**change)(folder)
+    else:
+        edit_json(file, lambda d: d["quantization"].update(change))(folder)
+    report = check_checkpoint(folder, machine=None)
+    assert report.ok, [f.paragraph for f in report.findings]
+
+
+@pytest.mark.parametrize("change,said", [
+    pytest.param(lambda b: b[:3], "is 3 bytes long, too short to be a safetensors file",
+                 id="three_bytes"),
+    pytest.param(lambda b: struct.pack("<Q", 1 << 40) + b[8:],
+                 "its header length field says 1099511627776 bytes", id="header_length_too_big"),
+])
+def test_a_safetensors_file_too_short_for_its_header_is_not_called_invalid_json(
+        change, said, qwen3_fp8, tmp_path):
+    """The header reader's own refusal (a ValueError) was caught again as a JSON error: "the
+    header is not valid JSON (<path>: is 3 bytes long ...)", with the JSON header's remedy."""
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    edit_bytes(change)(folder)
+    (finding,) = check_checkpoint(folder, machine=None).findings
+    assert finding.paragraph.startswith(f"{folder / WEIGHTS}: {said}"), finding.paragraph
+    assert "JSON (" not in finding.paragraph and finding.paragraph.count(WEIGHTS) == 1
+    assert "8-byte little-endian header length" in finding.accepted
+
+
+def test_a_wrong_group_size_is_said_once_and_blames_no_attention_tensor(damaged):
+    """A group size that no module resolves with was reported once per module resolved, and the
+    attention tensors, whose formats were then unknown, were judged as unpacked."""
+    damage = Damage("group_size_negative", "qwen3_nvfp4",
+                    both_quant_configs(lambda q: q.update(group_size=-16)), "group_size",
+                    ["group_size (with quant_algo 'NVFP4') is -16"])
+    report = check_checkpoint(damaged(damage), machine=None)
+    finding_with(report, damage)
+    paragraphs = [f.paragraph for f in report.findings]
+    assert len(paragraphs) == len(set(paragraphs)), paragraphs
+    assert not any("transformers builds it" in p for p in paragraphs), paragraphs
+
+
+def test_serve_refuses_a_tokenizer_larger_than_the_embeddings_at_start_up(damaged):
+    damage = next(d for d in HAND_DAMAGES if d.id == "tokenizer_larger_than_the_embeddings")
+    _assert_serve_refuses(damaged(damage), damage.needles)
