@@ -217,6 +217,9 @@ def _check_options(args: argparse.Namespace) -> None:
                          f"{args.request_read_timeout}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must not be negative, got {args.shutdown_timeout}")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**63:
+        raise UsageError(f"--seed must be a signed 64-bit integer, in [{-(2**63)}, {2**63 - 1}] "
+                         f"(a request's seed's range), got {args.seed}")
     if args.max_tokens_per_rank < 1:
         raise UsageError(f"--max-tokens-per-rank must be at least 1, got "
                          f"{args.max_tokens_per_rank}")

@@ -29,6 +29,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_N = 16  # choices per request (each is one more sequence in the batch)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP_TOKEN_IDS = 64  # vLLM's stop_token_ids per request (sampling.MAX_STOP_TOKEN_IDS)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a request's seed: int64, as OpenAI and vLLM take
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound; vLLM's default too)
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
@@ -289,7 +290,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # an extension (vLLM's): -1 or 0 turn it off
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = None  # a signed 64-bit integer (_seed_range)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1, le=MAX_N)
@@ -323,6 +324,16 @@ class _Request(BaseModel):
     include_reasoning: bool | None = None  # vLLM's
     separate_reasoning: bool | None = None  # SGLang's
     stream_reasoning: bool | None = None  # SGLang's
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, v):
+        # OpenAI's and vLLM's range (int64). Seeds of [2**63, 2**64) were taken once, and drew
+        # as the negative seed 2**64 below them: two seeds a client told apart, one answer
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise PydanticCustomError("out_of_range", "must be a signed 64-bit integer, in "
+                                      f"[{SEED_MIN}, {SEED_MAX}] (OpenAI's and vLLM's range)")
+        return v
 
     @field_validator("min_p")
     @classmethod

@@ -81,9 +81,25 @@ def test_an_omitted_model_means_the_served_one(http):
     assert r.status_code == 200, r.text
 
 
-def test_a_seed_out_of_range_is_a_400(http, server):
-    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "seed": 2**70}
-    assert_error(http.post("/v1/completions", json=body), 400, param="seed")
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1, -(2**63) - 1, 2**70],
+                         ids=["2^63", "2^64-1", "-2^63-1", "2^70"])
+def test_a_seed_outside_int64_is_a_400_naming_the_range(http, server, route, seed):
+    """OpenAI's and vLLM's seed is an int64. Seeds of [2**63, 2**64) used to be served,
+    drawing as the seed 2**64 below them (2**64 - 1 answered as -1 does)."""
+    body = {"model": server.model, "max_tokens": 2, "seed": seed,
+            **({"prompt": "hello"} if route == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "hello"}]})}
+    err = assert_error(http.post(route, json=body), 400, param="seed", code="invalid_value")
+    assert "64-bit" in err["message"], err
+    assert f"[{-(2**63)}, {2**63 - 1}]" in err["message"], err
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), -1, 0])
+def test_a_seed_within_int64_is_served(http, server, seed):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "seed": seed, "n": 2}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
 
 
 def test_a_missing_required_field_is_a_400(http, server):

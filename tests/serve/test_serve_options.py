@@ -213,6 +213,8 @@ def test_two_different_models_are_refused(tmp_path):
     (["--gpu-memory-utilization", "0.5", "--kv-cache-tokens", "9"], "not both"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be at least 1"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must not be negative"),
+    (["--seed", str(2**64)], "--seed must be a signed 64-bit integer"),  # was a traceback
+    (["--seed", str(2**63)], "--seed must be a signed 64-bit integer"),
 ])
 def test_a_bad_number_is_exit_status_2_naming_the_option(argv, needle):
     r = _serve(*argv, timeout=30)
