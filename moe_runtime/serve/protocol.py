@@ -552,7 +552,7 @@ class ChatMessage(BaseModel):
     audio: Any = None
     refusal: str | None = None
     reasoning_content: str | None = None  # vLLM's and SGLang's; Qwen3's template reads it
-    # what the openai client sends back of an earlier answer's message (model_dump())
+    # a tool message's (the answer to a tool call): accepted only as null on these roles
     tool_call_id: str | None = None
     annotations: list[Any] | None = None
 
@@ -585,6 +585,17 @@ class ChatMessage(BaseModel):
             what = "tool calling" if info.field_name != "audio" else "audio"
             raise PydanticCustomError(
                 "unsupported", "this server has no {what}; accepted: null or []", {"what": what})
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _no_tool_answer(cls, v, info):
+        # OpenAI refuses a field its role does not have; kept, it would be dropped unread
+        if v is not None:
+            raise PydanticCustomError(
+                "misplaced_field", "tool_call_id belongs to a message of role 'tool' (the "
+                "answer to a tool call), and this server has no tool calling; on a '{role}' "
+                "message it is accepted only as null or omitted", {"role": info.data.get("role")})
         return v
 
     def text(self) -> str:

@@ -167,3 +167,21 @@ def test_the_server_keeps_serving_after_bad_requests(client, http, server):
     out = client.completions.create(model=server.model, prompt="still here?", max_tokens=3,
                                     temperature=0)
     assert out.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("role", ["user", "assistant", "system"])
+def test_a_tool_call_id_outside_a_tool_message_is_a_400_naming_it(http, server, role):
+    """It belongs to role 'tool' (not served: no tool calling); it used to be dropped unread."""
+    messages = [{"role": role, "content": "hello", "tool_call_id": "call_1"}]
+    if role != "user":
+        messages.append({"role": "user", "content": "hello"})
+    err = assert_error(http.post("/v1/chat/completions", json={
+        "model": server.model, "max_tokens": 2, "messages": messages}), 400,
+        param="messages.0.tool_call_id")
+    assert "'tool'" in err["message"] and f"'{role}' message" in err["message"], err
+
+
+def test_a_null_tool_call_id_is_served(http, server):
+    r = http.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hello", "tool_call_id": None}]})
+    assert r.status_code == 200, r.text
