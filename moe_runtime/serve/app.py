@@ -119,8 +119,9 @@ def _check_content_type(request: Request) -> None:
                    code="unsupported_content_type")
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+def _error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
+    if err.status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -789,9 +790,17 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         # the path (and method) as sent, bounded: a 100 KB path is not echoed whole
-        message = (f"no route {clip(request.method, 32)} {clip(request.url.path)}"
+        path = request.url.path
+        message = (f"no route {clip(request.method, 32)} {clip(path)}"
                    if exc.status_code in (404, 405) else clip(str(exc.detail)))
-        return _error_response(APIError(exc.status_code, message, code=code))
+        allow = (exc.headers or {}).get("Allow")
+        if allow:  # Starlette joins a set: in sorted order, the same on every run
+            allow = ", ".join(sorted(m.strip() for m in allow.split(",")))
+        if exc.status_code == 405 and allow:
+            message += f"; the route takes {allow}"
+        # a 405 names the methods the route takes (RFC 9110 15.5.6), as Starlette's own does
+        return _error_response(APIError(exc.status_code, message, code=code),
+                               headers={"Allow": allow} if allow else None)
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)

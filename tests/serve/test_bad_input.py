@@ -156,6 +156,18 @@ def test_unknown_routes_and_methods_get_error_bodies(http):
     assert_error(http.get("/v1/completions"), 405)
 
 
+@pytest.mark.parametrize("method, path, allowed", [
+    ("GET", "/v1/completions", "POST"), ("DELETE", "/v1/chat/completions", "POST"),
+    ("POST", "/health", "GET, HEAD"), ("PUT", "/v1/models", "GET, HEAD"),
+])
+def test_a_405_names_the_methods_the_route_takes(http, method, path, allowed):
+    """RFC 9110 15.5.6: a 405 carries Allow (the error handler used to drop Starlette's)."""
+    r = http.request(method, path)
+    err = assert_error(r, 405, code="method_not_allowed")
+    assert r.headers.get("allow") == allowed
+    assert err["message"] == f"no route {method} {path}; the route takes {allowed}"
+
+
 def test_unsupported_options_are_refused_not_ignored(http, server):
     body = {"model": server.model, "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1.0}}
     assert_error(http.post("/v1/completions", json=body), 400, param="logit_bias")
