@@ -174,9 +174,22 @@ def decode_body(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise invalid(f"the request body nests arrays and objects {depth} levels deep; at most "
                       f"{max_depth} are accepted", code="json_too_deep")
     try:
+        # UTF-8 only (RFC 8259 8.1; a leading BOM, which it lets a reader ignore, is): json.loads
+        # of bytes would also read UTF-16 and UTF-32, which a proxy reading UTF-8 sees as garbage
+        text = body.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(f"the request body is not UTF-8: byte {body[exc.start]:#04x} at offset "
+                      f"{exc.start} ({exc.reason}); send JSON as UTF-8 text, whatever the "
+                      "charset says (RFC 8259 section 8.1)", code="invalid_json") from None
+    nul = body.find(b"\x00")
+    if nul >= 0:  # never in JSON text (escaped in strings); UTF-16 and UTF-32 are full of them
+        raise invalid(f"the request body holds a NUL byte (at offset {nul}), which JSON text never "
+                      "does (a body in UTF-16 or UTF-32 is full of them); send JSON as UTF-8 "
+                      "text (RFC 8259 section 8.1)", code="invalid_json")
+    try:
         _duplicates_seen.flag = False
-        value = json.loads(body, parse_constant=_no_constant, object_pairs_hook=_object_pairs)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object_pairs)
+    except (ValueError, RecursionError) as exc:
         # ValueError also covers integers of more digits than Python converts (4300), whose
         # message advises sys.set_int_max_str_digits(): the server's business, not the client's
         if "integer string conversion" in str(exc):

@@ -114,6 +114,22 @@ def test_json_python_would_accept_or_choke_on_is_a_400(http, body):
     assert_openai_error(post_raw(http, body), 400, "invalid_json")
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-be"])
+def test_a_body_in_another_unicode_encoding_is_a_400_asking_for_utf8(http, target, encoding):
+    """JSON between systems is UTF-8 (RFC 8259 8.1), and docs/serve.md says the body is read as
+    UTF-8: json.loads of bytes used to read UTF-16 and UTF-32 too, served as the JSON they spell."""
+    body = json.dumps({"model": target.model, "prompt": "hi", "max_tokens": 1}).encode(encoding)
+    r = post_raw(http, body)
+    assert_openai_error(r, 400, "invalid_json")
+    assert "send JSON as UTF-8" in r.json()["error"]["message"]
+
+
+def test_a_utf8_body_with_a_byte_order_mark_is_served(http, target):
+    body = json.dumps({"model": target.model, "prompt": "h\u00e9", "max_tokens": 1},
+                      ensure_ascii=False).encode("utf-8-sig")
+    assert post_raw(http, body).status_code == 200
+
+
 def test_an_oversized_chunked_body_without_a_length_is_a_413(http):
     def chunks():
         for _ in range(40):
