@@ -912,7 +912,130 @@ class _Check:
             return layers  # formats unknown: the stored shapes cannot be judged (packed or not)
         self._linears(linears)
         self._attention_shapes(arch, prefix, linears)
+        if tensors_ok and arch.served:
+            self._tied_lm_head()
+            self._unread_dense_tensors(arch, prefix, layers)
         return layers
+
+    # leaves loading reads beside a module's weight (the dense linears' scales), or that the
+    # served model needs not (KV-cache scales: the cache is kept in the model's dtype; RoPE's
+    # inverse frequencies: recomputed from config.json)
+    _READ_BESIDE_WEIGHT = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
+    _RECOMPUTED = ("inv_freq",)
+
+    def _unread_dense_tensors(self, arch: Architecture, prefix: str,
+                              layers: list[MoELayerInfo]) -> None:
+        """Every tensor outside the experts is one that loading reads: the model is built from
+        config.json (on the meta device: no memory) as loading builds it, and a tensor of no
+        parameter of it (a bias the config gives the module none for, a stray weight) would be
+        dropped without a word, the model computing other numbers than the checkpoint's.
+
+        Only where a tensor is not a plain weight (or a scale) of the model's naming: building
+        the model imports transformers' modelling code (seconds), which the usual checkpoint,
+        with no bias and no stray name, does not need."""
+        if any(f.rule in ("folder", "json", "config", "routing", "quantization")
+               for f in self.findings):
+            return  # the config is wrong already: building the model from it says no more
+        containers = tuple(layer.name + "." for layer in layers)
+        usual = ("weight", "e_score_correction_bias", *self._READ_BESIDE_WEIGHT,
+                 *self._RECOMPUTED)
+        if not any(not name.startswith(containers) and (
+                name.rpartition(".")[2] not in usual
+                or not (name.startswith(prefix) or name.startswith("lm_head.")))
+                for name in self.tensors):
+            return
+        try:
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                config = AutoConfig.from_pretrained(str(self.folder))
+                if hasattr(config, "quantization_config"):
+                    delattr(config, "quantization_config")  # as loading does: weights are ours
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+                keys = list(model.state_dict(keep_vars=True))
+            finally:
+                hf_logging.set_verbosity(verbosity)
+        except Exception:  # noqa: BLE001 - a config transformers refuses: serve names it
+            return
+        read: set[str] = set()
+        for key in keys:  # the names loading looks each parameter up by, in its order
+            for cand in (key, key.replace(".mlp.gate.", ".block_sparse_moe.gate."),
+                         key.replace(".mlp.", ".block_sparse_moe.")):
+                if cand in self.tensors:
+                    read.add(cand)
+                    break
+        declared = self._model_fields().get("num_hidden_layers")
+        layer_of = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+        unread = []
+        for name in self.tensors:
+            if name in read or name.startswith(containers):
+                continue
+            module, _, leaf = name.rpartition(".")
+            if leaf in self._RECOMPUTED or (leaf in self._READ_BESIDE_WEIGHT
+                                            and f"{module}.weight" in read):
+                continue
+            m = layer_of.search(name)
+            if m and isinstance(declared, int) and int(m.group(1)) >= declared:
+                continue  # a layer past the declared ones: _layers_declared (or MTP layers)
+            unread.append(name)
+        if not unread:
+            return
+        self.add("tensors", str(self.folder),
+                 f"tensor {unread[0]!r} is stored, but the {arch.name} model that config.json "
+                 "builds has no parameter it would be loaded into"
+                 + _more(len(unread) - 1, "tensor")
+                 + ": it would be ignored, and the model would compute other numbers than the "
+                 "checkpoint's",
+                 "tensors of the model's parameters only (a bias where config.json gives the "
+                 "module one, e.g. attention_bias true), or the config of the model the tensors "
+                 "are of")
+
+    def _tied_lm_head(self) -> None:
+        """With ``tie_word_embeddings`` the output layer is the embeddings: a stored
+        ``lm_head.weight`` that differs is loaded into the one tensor both share, and the model
+        serves that matrix as its embeddings too."""
+        f = self._model_fields()
+        tied = self.config.get("tie_word_embeddings", f.get("tie_word_embeddings", False))
+        embed = next((n for n in self.tensors if n.endswith("embed_tokens.weight")), None)
+        if tied is not True or "lm_head.weight" not in self.tensors or embed is None:
+            return
+        a, b = self.tensors["lm_head.weight"], self.tensors[embed]
+        same = (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and self._same_bytes(
+            "lm_head.weight", embed)
+        if same:
+            return
+        self.add("tensors", str(self.folder / CONFIG),
+                 f"tie_word_embeddings is true, but 'lm_head.weight' is stored and is not "
+                 f"{embed!r} ({a.dtype} {list(a.shape)} vs {b.dtype} {list(b.shape)}"
+                 + (", other values" if (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape))
+                    else "") + "): the tied model holds one matrix for both, so one of them "
+                 "would be served in place of the other",
+                 "tie_word_embeddings false (the checkpoint has its own lm_head), or no "
+                 "lm_head.weight (the embeddings serve as the output layer)")
+
+    def _same_bytes(self, x: str, y: str, sample: int = 1 << 20) -> bool:
+        """Whether the two tensors' bytes agree at their start, middle and end (``sample`` bytes
+        each: the check reads no whole weight)."""
+        (fx, sx, ex), (fy, sy, ey) = self.ranges[x], self.ranges[y]
+        size = ex - sx
+        if size != ey - sy:
+            return False
+        try:
+            with (self.folder / fx).open("rb") as hx, (self.folder / fy).open("rb") as hy:
+                for at in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+                    n = min(sample, size - at)
+                    hx.seek(sx + at)
+                    hy.seek(sy + at)
+                    if hx.read(n) != hy.read(n):
+                        return False
+        except OSError:
+            return True  # unreadable: reported as such elsewhere
+        return True
 
     def _attention_shapes(self, arch: Architecture, prefix: str, linears) -> None:
         """Each decoder layer's attention tensors have the shapes transformers' attention builds
@@ -1279,6 +1402,15 @@ class _Check:
                           f"it to {quant.format} ({quant.source})",
                           f"{' or '.join(layout.weight_dtypes)}, or a quantization config that "
                           "lists the module with its stored format")].append(f"{module}.weight")
+                continue
+            if not layout.scalars and f"{module}.weight_scale" in self.tensors:
+                # loading dequantizes a weight with a weight_scale, and refuses an unquantized one
+                problems[(f"is stored beside the {weight.dtype} weight '{module}.weight': "
+                          "loading dequantizes a weight that has a weight_scale, and refuses "
+                          "one that is not F8_E4M3 or U8 (NVFP4)",
+                          "no weight_scale for an unquantized module, or its weight in the "
+                          "quantized format the scale belongs to")].append(
+                    f"{module}.weight_scale")
                 continue
             out, stored_in = weight.shape
             for tensor, dtypes, shape in layout.expected(module, out, stored_in * layout.pack):

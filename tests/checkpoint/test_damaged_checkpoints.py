@@ -977,6 +977,25 @@ HAND_DAMAGES = [
             "each tensor mapped to the shard that stores it"]),
     Damage("config_json_a_link_loop", "qwen3_fp8", config_link_loop, "folder",
            ["config.json", "cannot be read", "symbolic link", "loops"]),
+    # served without a word: transformers' Qwen3-MoE attention has no bias (attention_bias
+    # false), its router and norms none at all, and a tied model holds one matrix for both ends
+    Damage("attention_bias_the_model_has_not", "qwen3_fp8", edit_tensors(lambda t: [
+        t.__setitem__(f"model.layers.{i}.self_attn.q_proj.bias",
+                      torch.full((64,), 5.0, dtype=torch.bfloat16)) for i in range(2)]),
+           "tensors", ["'model.layers.0.self_attn.q_proj.bias' is stored",
+                       "Qwen3MoeForCausalLM model that config.json builds has no parameter",
+                       "(and 1 more tensor like it)", "would be ignored", "attention_bias true"]),
+    Damage("router_bias_the_model_has_not", "qwen3_nvfp4",
+           add_tensor("model.layers.1.mlp.gate.bias", torch.ones(8, dtype=torch.bfloat16)),
+           "tensors", ["'model.layers.1.mlp.gate.bias' is stored", "would be ignored"]),
+    Damage("lm_head_stored_but_tied", "qwen3_fp8", set_config(tie_word_embeddings=True),
+           "tensors", ["config.json", "tie_word_embeddings is true",
+                       "'lm_head.weight' is stored and is not 'model.embed_tokens.weight'",
+                       "other values", "tie_word_embeddings false", "or no lm_head.weight"]),
+    Damage("weight_scale_beside_a_bf16_lm_head", "qwen3_nvfp4",
+           add_tensor("lm_head.weight_scale", torch.tensor(2.0)), "tensors",
+           ["'lm_head.weight_scale' is stored beside the BF16 weight 'lm_head.weight'",
+            "not F8_E4M3 or U8", "no weight_scale for an unquantized module"]),
 ]
 
 
@@ -991,6 +1010,30 @@ def test_a_link_loop_is_not_also_called_a_missing_config_json(damaged):
     report = check_checkpoint(damaged(damage), machine=None)
     assert [f.rule for f in report.findings] == ["folder"], [f.paragraph for f in report.findings]
     assert "does not exist" not in report.findings[0].paragraph
+
+
+@pytest.mark.parametrize("damage_id", ["attention_bias_the_model_has_not",
+                                       "lm_head_stored_but_tied"])
+def test_serve_refuses_weights_it_would_have_ignored(damage_id, damaged):
+    damage = next(d for d in HAND_DAMAGES if d.id == damage_id)
+    _assert_serve_refuses(damaged(damage), damage.needles)
+
+
+def test_biases_the_model_has_and_a_tied_lm_head_equal_to_the_embeddings_pass(tiny, qwen3_fp8,
+                                                                             tmp_path):
+    assert check_checkpoint(tiny(arch="qwen2_moe", quant="fp8"), machine=None).ok  # q/k/v bias
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    set_config(attention_bias=True)(folder)
+    edit_tensors(lambda t: [t.__setitem__(f"model.layers.{i}.self_attn.{p}.bias", torch.zeros(
+        t[f"model.layers.{i}.self_attn.{p}.weight"].shape[0], dtype=torch.bfloat16))
+        for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")])(folder)
+    report = check_checkpoint(folder, machine=None)
+    assert report.ok, [f.paragraph for f in report.findings]
+    set_config(tie_word_embeddings=True)(folder)
+    edit_tensors(lambda t: t.__setitem__("lm_head.weight",
+                                         t["model.embed_tokens.weight"].clone()))(folder)
+    report = check_checkpoint(folder, machine=None)
+    assert report.ok, [f.paragraph for f in report.findings]
 
 
 def test_a_split_export_with_a_true_index_passes(qwen3_fp8, tmp_path):
