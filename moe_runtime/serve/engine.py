@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import attrs
 
-from moe_runtime.serve import paged_attention
+from moe_runtime.serve import fused_norm, paged_attention
 from moe_runtime.serve.batching import (
     CONTINUOUS,
     CacheBatcher,
@@ -146,6 +146,11 @@ class Engine:
         per query head, two batched products per layer) instead of transformers' ``paged|sdpa``;
         ``None`` (default) reads ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off,
         until a GPU run has measured it).
+    :param fused_norms: ``True``: the model's RMSNorm modules run as one kernel each
+        (:func:`~moe_runtime.serve.fused_norm.rms_norm`, CUDA with Triton; modules whose forward
+        a probe does not prove to be that formula keep theirs); ``None`` (default) reads
+        ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on; unset or ``0`` off, until a GPU run has measured
+        it).
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
@@ -162,7 +167,8 @@ class Engine:
                  max_tokens_per_forward: int | None = None,
                  graph_prefill: bool | None = None,
                  async_batching: bool | None = None,
-                 gqa_attention: bool | None = None) -> None:
+                 gqa_attention: bool | None = None,
+                 fused_norms: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -231,6 +237,7 @@ class Engine:
         # continuous batching's small steps attend without repeating keys (paged_attention.py)
         self.gqa_attention = (choose_gqa_attention(gqa_attention)
                               and batching_choice.path == CONTINUOUS)
+        self.fused_norms = fused_norm.choose_fused_norms(fused_norms)
         self._manager = None
         self._ready = False
 
@@ -250,6 +257,8 @@ class Engine:
     def start(self, probe: bool = True) -> None:
         """Start the batching thread, then (``probe``) generate one token: ready when it returns."""
         if self._manager is None:
+            if self.fused_norms:  # before any graph is captured: the probe compiles the kernel
+                self._enable_fused_norms()
             note = prefer_replanning_free_attention(next(self.loaded.model.parameters()).device)
             if note:
                 log.info(note)
@@ -257,6 +266,17 @@ class Engine:
                              else self._cache_batcher())
         if probe:
             self.probe()
+
+    def _enable_fused_norms(self) -> None:
+        why = fused_norm.unavailable(next(self.loaded.model.parameters()).device)
+        count = fused_norm.enable(self.loaded.model) if why is None else 0
+        if count:
+            log.info("norms: %d RMSNorm modules run as one kernel each (%s=0 turns it off)",
+                     count, fused_norm.FUSED_NORMS_ENV)
+        else:
+            self.fused_norms = False
+            log.warning("norms: the model's own (%s)",
+                        why or "no module passed the fused kernel's probe")
 
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,
@@ -404,6 +424,8 @@ class Engine:
             self._manager = None
         if self.gqa_attention:
             paged_attention.disable(self.loaded.model)
+        if self.fused_norms:
+            fused_norm.disable(self.loaded.model)
 
     @property
     def healthy(self) -> bool:
