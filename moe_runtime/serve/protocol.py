@@ -367,7 +367,9 @@ class _Request(BaseModel):
     @classmethod
     def _stop_list(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+            raise PydanticCustomError(  # not ValueError: pydantic prefixes 'Value error, '
+                "too_many_stops", f"at most {MAX_STOP_SEQUENCES} stop sequences are accepted; "
+                "this list has {count}", {"count": len(v)})
         if v == "" or (isinstance(v, list) and "" in v):
             # an empty string matches everywhere or nowhere: never a stop a client meant
             raise PydanticCustomError("empty_stop", "a stop sequence must not be the empty "
@@ -568,6 +570,16 @@ class ChatMessage(BaseModel):
     # a tool message's (the answer to a tool call): accepted only as null on these roles
     tool_call_id: str | None = None
     annotations: list[Any] | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _served_role(cls, v):
+        if v in ("tool", "function"):  # else pydantic's list of the accepted roles, unexplained
+            raise PydanticCustomError(
+                "unsupported_role", "role '{role}' is not served: this server has no tool "
+                "calling, so no tool's answer can be sent back; accepted: 'system', "
+                "'developer', 'user' or 'assistant'", {"role": v})
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

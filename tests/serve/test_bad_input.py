@@ -61,6 +61,23 @@ def test_a_value_out_of_range_is_a_400(http, server, field, value):
     assert_error(http.post("/v1/completions", json=body), 400, param=field)
 
 
+def test_too_many_stop_strings_are_a_400_saying_how_many_are_accepted(http, server):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2,
+            "stop": [str(i) for i in range(17)]}
+    err = assert_error(http.post("/v1/completions", json=body), 400, param="stop")
+    assert err["message"].startswith("invalid value for 'stop': at most 16 stop sequences are "
+                                     "accepted; this list has 17"), err  # no "Value error, "
+
+
+@pytest.mark.parametrize("role", ["tool", "function"])
+def test_a_tool_message_is_a_400_saying_there_is_no_tool_calling(http, server, role):
+    body = {"model": server.model, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": role, "content": "42", "name": "f"}]}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400,
+                       param="messages.1.role")
+    assert f"role '{role}' is not served" in err["message"] and "tool calling" in err["message"]
+
+
 def test_chat_messages_of_the_wrong_type_are_a_400(http, server):
     body = {"model": server.model, "messages": "hello", "max_tokens": 2}
     assert_error(http.post("/v1/chat/completions", json=body), 400, param="messages")
