@@ -260,7 +260,8 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
 
     engine = Engine(loaded, max_batch_size=args.max_batch_size,
                     max_model_len=args.prompt_len + args.max_tokens + 1,
-                    gqa_attention=_gqa(args, side), fused_norms=_norms(args, side))
+                    gqa_attention=_gqa(args, side), fused_norms=_norms(args, side),
+                    fused_rope=_rope(args, side))
     if args.ignore_eos:
         engine.eos_token_ids = []  # every request runs to max_tokens, on both sides alike
     before = _memory()
@@ -273,7 +274,9 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
                  "attention": ("grouped-query (moe_runtime/serve/paged_attention.py)"
                                if engine.gqa_attention else "transformers' paged|sdpa"),
                           "norms": ("one kernel each (moe_runtime/serve/fused_norm.py)"
-                                    if engine.fused_norms else "the model's own")}
+                                    if engine.fused_norms else "the model's own"),
+                          "rope": ("one kernel per tensor (moe_runtime/serve/fused_rope.py)"
+                                   if engine.fused_rope else "the model's own")}
     warm = dict(per_client=1, max_tokens=min(args.max_tokens, args.warmup_tokens))
     measured = dict(per_client=args.requests_per_client, max_tokens=args.max_tokens, bar=bar)
     try:
@@ -390,6 +393,11 @@ def _norms(args, side: str) -> bool:
     return bool(args.fused_norms) and side == SIDES[0]
 
 
+def _rope(args, side: str) -> bool:
+    """``--fused-rope``: moe-runtime's side only; transformers alone keeps its own."""
+    return bool(args.fused_rope) and side == SIDES[0]
+
+
 def _profile_side(loaded, prompts, args, clients: int, side: str = "") -> dict:
     """One eager wave of ``clients`` requests (graphs off: a graph's inside cannot be timed), with
     the time of every step split into attention, MoE, the rest of the forward, the sampler and
@@ -398,7 +406,8 @@ def _profile_side(loaded, prompts, args, clients: int, side: str = "") -> dict:
 
     engine = Engine(loaded, max_batch_size=args.max_batch_size,
                     max_model_len=args.prompt_len + args.max_tokens + 1, cuda_graphs=False,
-                    gqa_attention=_gqa(args, side), fused_norms=_norms(args, side))
+                    gqa_attention=_gqa(args, side), fused_norms=_norms(args, side),
+                    fused_rope=_rope(args, side))
     if args.ignore_eos:
         engine.eos_token_ids = []
     engine.start()
@@ -517,7 +526,7 @@ def render_markdown(report: dict) -> str:
                    f"{s.get('peak_above_weights_gib', 0.0):.2f} GiB more while serving")
         lines.append(f"- `{side}`: experts run by {s['experts']}; loaded in {s['load_s']:.1f} s"
                      f"{mem}; {s.get('graphs', '')}; attention: {s.get('attention')}; "
-                     f"norms: {s.get('norms')}.")
+                     f"norms: {s.get('norms')}; rotary embedding: {s.get('rope')}.")
     lines += ["", "| mode | clients | side | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
               "| TPOT p50 (ms) | TPOT p90 (ms) | tok/s vs transformers |",
               "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -668,6 +677,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moe-runtime's side runs the model's RMSNorm modules as one kernel each "
                         "(moe_runtime/serve/fused_norm.py, CUDA); transformers alone keeps its "
                         "own norms (default: both keep them)")
+    p.add_argument("--fused-rope", action="store_true",
+                   help="moe-runtime's side runs the rotary embedding as one kernel for the "
+                        "queries and one for the keys (moe_runtime/serve/fused_rope.py, CUDA; "
+                        "bit-identical); transformers alone keeps its own (default: both do)")
     p.add_argument("--profile-clients", type=int, default=None, metavar="N",
                    help="also time one eager wave of N clients per side, step by step: "
                         "attention, MoE, rest of the forward, sampler, host loop")
@@ -785,7 +798,7 @@ def main(argv=None) -> int:
     for side in args.side_list:
         results[side] = {}
         info[side]["graphs"] = raw[side][0]["graphs"]
-        for key in ("attention", "norms"):
+        for key in ("attention", "norms", "rope"):
             info[side][key] = raw[side][0].get(key)
         peaks = [r["memory"]["peak_above_weights_gib"] for r in raw[side] if "memory" in r]
         if peaks:  # above what the process held when the engine started (every side's weights)

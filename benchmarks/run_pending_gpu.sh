@@ -16,7 +16,8 @@
 #                                                # (carry .gpu_carry/serve_whl)
 #   bash benchmarks/run_pending_gpu.sh gqa       # issue 15: grouped-query attention for decode
 #                                                # steps (MOE_RUNTIME_GQA_ATTENTION) and norms in
-#                                                # one kernel (MOE_RUNTIME_FUSED_NORMS); ~10 min
+#                                                # one kernel (MOE_RUNTIME_FUSED_NORMS, _ROPE);
+#                                                # ~10 min
 #                                                # (carry .gpu_carry/serve_whl)
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
@@ -126,27 +127,28 @@ overlap)
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
 gqa)
-    # moe_runtime/serve/paged_attention.py and fused_norm.py (CPU-tested only): their GPU tests
-    # (float32 greedy tokens graph-replayed against transformers' paged|sdpa; the norm kernel in
-    # bf16/fp16/fp32 against transformers' RMSNorm, in a CUDA graph, and under the engine), then
-    # moe-runtime's side with both against transformers alone (which keeps paged|sdpa and its
-    # own norms), moe-runtime with neither in the same call, and the 16-client profile with both
+    # moe_runtime/serve/paged_attention.py, fused_norm.py and fused_rope.py (CPU-tested only):
+    # their GPU tests (float32 greedy tokens graph-replayed against transformers' paged|sdpa; the
+    # norm and rotary kernels in bf16/fp16/fp32 against transformers', in a CUDA graph, and under
+    # the engine), then moe-runtime's side with all three against transformers alone (which keeps
+    # its own), moe-runtime with none in the same call, and the 16-client profile with all three
     wheels .gpu_carry/serve_whl
     step gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/serve/test_engine_cuda_graphs.py tests/serve/test_fused_norm.py \
-        -k "grouped_query or decode_gives or fused or gpu_matches or gpu_engine"
+        tests/serve/test_fused_rope.py -k "grouped_query or decode_gives or fused"
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
     # one side at a time: both sides' weights (ours NVFP4, theirs dequantized to bf16: 56 GiB)
     # do not fit an 80 GB card together
-    step bench_serve 300 python benchmarks/bench_serve.py --gqa-attention --fused-norms \
+    step bench_serve 300 python benchmarks/bench_serve.py --gqa-attention --fused-norms --fused-rope \
         --one-side-at-a-time --model /tmp/q30 --device cuda --clients 1,4,16,64 \
         --prompt-len 128 --max-tokens 32 --repeats 1 --no-progress --out "$OUT/serve"
-    # moe-runtime with neither, same card and run: what the two change
+    # moe-runtime with none of them, same card and run: what the three change
     step bench_serve_off 90 python benchmarks/bench_serve.py --sides moe-runtime \
         --modes in-process --model /tmp/q30 --device cuda --clients 16,64 --prompt-len 128 \
         --max-tokens 32 --repeats 1 --no-progress --out "$OUT/serve_off"
     step profile_serve 70 env MOE_RUNTIME_GQA_ATTENTION=1 MOE_RUNTIME_FUSED_NORMS=1 \
+        MOE_RUNTIME_FUSED_ROPE=1 \
         python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 --graphs on \
         --out "$OUT/prof"
     ;;

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 import attrs
 
 from moe_runtime.serve import fused_norm, paged_attention
+from moe_runtime.serve import fused_rope as rope_kernel
 from moe_runtime.serve.batching import (
     CONTINUOUS,
     CacheBatcher,
@@ -151,6 +152,11 @@ class Engine:
         a probe does not prove to be that formula keep theirs); ``None`` (default) reads
         ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on; unset or ``0`` off, until a GPU run has measured
         it).
+    :param fused_rope: ``True``: the model's rotary embedding runs as one kernel for the queries
+        and one for the keys (:func:`~moe_runtime.serve.fused_rope.rotary`, bit-identical; CUDA
+        with Triton; a function a probe does not prove to be that formula keeps its place);
+        ``None`` (default) reads ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on; unset or ``0`` off, until
+        a GPU run has measured it).
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
@@ -168,7 +174,8 @@ class Engine:
                  graph_prefill: bool | None = None,
                  async_batching: bool | None = None,
                  gqa_attention: bool | None = None,
-                 fused_norms: bool | None = None) -> None:
+                 fused_norms: bool | None = None,
+                 fused_rope: bool | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.loaded = loaded
@@ -238,6 +245,7 @@ class Engine:
         self.gqa_attention = (choose_gqa_attention(gqa_attention)
                               and batching_choice.path == CONTINUOUS)
         self.fused_norms = fused_norm.choose_fused_norms(fused_norms)
+        self.fused_rope = rope_kernel.choose_fused_rope(fused_rope)
         self._manager = None
         self._ready = False
 
@@ -259,6 +267,8 @@ class Engine:
         if self._manager is None:
             if self.fused_norms:  # before any graph is captured: the probe compiles the kernel
                 self._enable_fused_norms()
+            if self.fused_rope:
+                self._enable_fused_rope()
             note = prefer_replanning_free_attention(next(self.loaded.model.parameters()).device)
             if note:
                 log.info(note)
@@ -277,6 +287,17 @@ class Engine:
             self.fused_norms = False
             log.warning("norms: the model's own (%s)",
                         why or "no module passed the fused kernel's probe")
+
+    def _enable_fused_rope(self) -> None:
+        why = fused_norm.unavailable(next(self.loaded.model.parameters()).device)
+        count = rope_kernel.enable(self.loaded.model) if why is None else 0
+        if count:
+            log.info("rotary embedding: one kernel for the queries and one for the keys (%s=0 "
+                     "turns it off)", rope_kernel.FUSED_ROPE_ENV)
+        else:
+            self.fused_rope = False
+            log.warning("rotary embedding: the model's own (%s)",
+                        why or "no apply_rotary_pos_emb passed the fused kernel's probe")
 
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,
@@ -426,6 +447,8 @@ class Engine:
             paged_attention.disable(self.loaded.model)
         if self.fused_norms:
             fused_norm.disable(self.loaded.model)
+        if self.fused_rope:
+            rope_kernel.disable(self.loaded.model)
 
     @property
     def healthy(self) -> bool:
