@@ -145,7 +145,7 @@ def deployment_from_args(args):
 
     for name in ("ep_size", "max_tokens_per_rank"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got "
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, name)}")
     return Deployment(
         ep_size=args.ep_size,
@@ -245,17 +245,22 @@ def cmd_plan(args) -> int:
                               "rejections": []}, indent=2))
         print_findings(report)
         return 2
-    for finding in warnings:
-        print(f"warning: {finding.paragraph}", file=sys.stderr)
+
+    def warn(findings) -> None:
+        for finding in findings:
+            print(f"warning: {finding.paragraph}", file=sys.stderr)
+
     registry = load_registry(args)
     try:
         ckpt = read_checkpoint(args.checkpoint)
     except CheckpointError as exc:
+        warn(warnings)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         plan = make_plan(args, ckpt, registry)
     except (PlanError, ValueError) as exc:
+        warn(warnings)
         if args.json:
             rej = [r.to_json() for r in getattr(exc, "rejections", ())]
             print(json.dumps({"checkpoint": checkpoint_summary(ckpt), "error": str(exc),
@@ -264,9 +269,7 @@ def cmd_plan(args) -> int:
         return 1
     # the experts as the planned backends hold them (cpu_dequantized: a float32 copy)
     report = report.with_plan(plan)
-    for finding in report.findings:
-        if finding not in warnings:
-            print(f"warning: {finding.paragraph}", file=sys.stderr)
+    warn(report.findings)  # the memory as planned replaces the check's estimate: said once
     if args.json:
         print(json.dumps({"checkpoint": checkpoint_summary(ckpt), **plan.to_json(),
                           "check": report.to_json()}, indent=2))

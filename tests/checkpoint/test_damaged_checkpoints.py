@@ -1094,3 +1094,17 @@ def test_a_wrong_group_size_is_said_once_and_blames_no_attention_tensor(damaged)
 def test_serve_refuses_a_tokenizer_larger_than_the_embeddings_at_start_up(damaged):
     damage = next(d for d in HAND_DAMAGES if d.id == "tokenizer_larger_than_the_embeddings")
     _assert_serve_refuses(damaged(damage), damage.needles)
+
+
+def test_plan_says_a_memory_warning_once(qwen3_nvfp4, capsys):
+    """The check's estimate and the planned one were both printed: two warnings, differing only
+    in their numbers."""
+    code, text = run_cli(capsys, "plan", str(qwen3_nvfp4), "--max-model-len", str(1 << 40))
+    assert code == 0, text
+    assert text.count("warning: ") == 1, text
+
+
+def test_plan_refuses_an_ep_size_of_0_as_an_error(qwen3_nvfp4, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", str(qwen3_nvfp4), "--ep-size", "0"])
+    assert str(info.value.code) == "error: --ep-size must be at least 1, got 0"
