@@ -213,6 +213,9 @@ def _probe(function, device, dtype) -> str | None:
                 and all(isinstance(t, torch.Tensor) for t in own)
                 and all(torch.equal(a, b) for a, b in zip(own, formula, strict=True))):
             return "it is not the rotary formula this kernel computes"
+        why = fusable(q, cos, sin, 1) or fusable(k, cos, sin, 1)
+        if why is not None:
+            return why
         fused = rotary(q, k, cos, sin)
         if not all(torch.equal(a, b) for a, b in zip(fused, own, strict=True)):
             return "the fused kernel is not bit-identical to it"
@@ -241,8 +244,14 @@ def enable(model: Any) -> int:
     """Put the dispatcher in place of the model's modeling modules' ``apply_rotary_pos_emb``
     where the probe allows it, and mark the model's forwards. Returns how many modules' function
     the model's forwards now run fused (0: none)."""
+    import torch
+
     param = next(model.parameters())
+    # the activations' dtype (a quantized model's first parameter may be packed codes)
+    dtype = getattr(model, "dtype", param.dtype)
     why = unavailable(param.device)
+    if why is None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why = f"the model's dtype is {dtype}"
     if why is not None:
         log.info("rotary embedding: the model's own (%s)", why)
         return 0
@@ -250,7 +259,7 @@ def enable(model: Any) -> int:
     for module in _modeling_modules(model):
         current = getattr(module, FUNCTION)
         own = current.__wrapped__ if getattr(current, "_moe_runtime_rope", False) else current
-        verdict = _probe(own, param.device, param.dtype)
+        verdict = _probe(own, param.device, dtype)
         if verdict is not None:
             log.info("rotary embedding: %s.%s keeps its place: %s", module.__name__, FUNCTION,
                      verdict)
