@@ -377,6 +377,7 @@ class _Check:
             layers = self.check_tensors(*structure, spec, tensors_ok)
         if tensors_ok:
             self.check_scales()
+            self.check_shared_scales(layers)
         if self.config is not None and structure is not None and (
                 spec is not None or not layers):
             kwargs = {"batch_size": batch_size, "context_tokens": context_tokens,
@@ -1490,6 +1491,76 @@ class _Check:
                      f"scale tensor {names[0]!r} holds {kind}" + _more(len(names) - 1, "tensor"),
                      "finite, positive scales (a scale multiplies every weight or activation it "
                      "covers: NaN, infinite, zero or negative ones give wrong outputs)")
+
+    def check_shared_scales(self, layers: list[MoELayerInfo]) -> None:
+        """The scalars loading takes as one (:mod:`moe_runtime.methods`): an NVFP4 expert's gate
+        and up ``weight_scale_2`` (its fused gate/up GEMM has one global scale), and the layer's
+        gate/up and down ``input_scale`` (activations are quantized once, for every expert). A
+        difference passed the check and stopped serve's load, after the memory was taken."""
+        import numpy as np
+
+        maps: dict[str, Any] = {}
+
+        def value(name: str) -> float | None:
+            meta, where = self.tensors.get(name), self.ranges.get(name)
+            if meta is None or where is None or meta.dtype != "F32" or where[2] - where[1] != 4:
+                return None  # missing or misshapen: reported by the tensor rules
+            file, start, end = where
+            if file not in maps:
+                try:
+                    maps[file] = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
+                except (OSError, ValueError):
+                    maps[file] = None
+            mm = maps[file]
+            if mm is None:
+                return None
+            v = float(np.frombuffer(mm[start:end].tobytes(), dtype="<f4")[0])
+            return None if math.isnan(v) else v  # NaN: reported by check_scales
+
+        for layer in layers:
+            fmt = layer.quant.format
+            layout = LAYOUTS.get(fmt)
+            if layout is None or layout.input_scale is None:
+                continue  # unquantized: no scales
+            gate, up, down = layer.expert_names
+            where = f"MoE layer {layer.name} ({fmt}, {layer.quant.source})"
+            bound = self._expert_bound(layer.name, layer.num_experts)
+            if "weight_scale_2" in layout.scalars:
+                differ = []
+                for e in range(bound):
+                    g, u = (f"{layer.expert_module(e, p)}.weight_scale_2" for p in (gate, up))
+                    vg, vu = value(g), value(u)
+                    if vg is not None and vu is not None and vg != vu:
+                        differ.append((g, vg, u, vu))
+                if differ:
+                    g, vg, u, vu = differ[0]
+                    self.add("scales", where,
+                             f"{u!r} is {vu:.6g} but {g!r} is {vg:.6g}"
+                             + _more(len(differ) - 1, "expert")
+                             + f": an expert's {gate} and {up} run as one fused GEMM with one "
+                             "global scale, so loading refuses scales that differ",
+                             f"{gate} and {up} of each expert with the same weight_scale_2 "
+                             "(as ModelOpt exports them)")
+            if not layout.input_scale:
+                continue
+            for label, projs in ((f"{gate}/{up}", (gate, up)), (down, (down,))):
+                names = [f"{layer.expert_module(e, p)}.input_scale" for e in range(bound)
+                         for p in projs]
+                seen = [(n, v) for n in names if (v := value(n)) is not None]
+                if not seen:
+                    continue
+                first, v0 = seen[0]
+                other = [(n, v) for n, v in seen if v != v0]
+                if other:
+                    n, v = other[0]
+                    self.add("scales", where,
+                             f"the {label} input_scale differs between experts: {n!r} is "
+                             f"{v:.6g} but {first!r} is {v0:.6g}"
+                             + _more(len(other) - 1, "tensor")
+                             + ": the layer's activations are quantized once, for every expert, "
+                             "so loading refuses input scales that differ",
+                             f"one {label} input_scale shared by every expert of the layer (as "
+                             "ModelOpt exports it: the largest over the experts)")
 
 
 # ----------------------------------------------------------------------------- small helpers

@@ -996,6 +996,20 @@ HAND_DAMAGES = [
            add_tensor("lm_head.weight_scale", torch.tensor(2.0)), "tensors",
            ["'lm_head.weight_scale' is stored beside the BF16 weight 'lm_head.weight'",
             "not F8_E4M3 or U8", "no weight_scale for an unquantized module"]),
+    # scalars loading takes as one: passed the check, and serve's load stopped on them
+    Damage("gate_and_up_weight_scale_2_differ", "qwen3_nvfp4",
+           set_scalar(f"{EXPERT}.up_proj.weight_scale_2", 0.125), "scales",
+           [f"MoE layer model.layers.1.mlp.experts (nvfp4_w4a4", f"'{EXPERT}.up_proj."
+            f"weight_scale_2' is 0.125 but '{EXPERT}.gate_proj.weight_scale_2' is",
+            "one fused GEMM", "loading refuses", "the same weight_scale_2"]),
+    Damage("input_scale_differs_between_experts", "qwen3_fp8",
+           set_scalar(f"{EXPERT}.gate_proj.input_scale", 0.5), "scales",
+           ["the gate_proj/up_proj input_scale differs between experts",
+            f"'{EXPERT}.gate_proj.input_scale' is 0.5 but 'model.layers.1.mlp.experts.0.",
+            "loading refuses", "one gate_proj/up_proj input_scale shared by every expert"]),
+    Damage("down_input_scale_differs_between_nvfp4_experts", "qwen3_nvfp4",
+           set_scalar(f"{EXPERT}.down_proj.input_scale", 0.25), "scales",
+           ["the down_proj input_scale differs between experts", "is 0.25 but"]),
 ]
 
 
@@ -1013,7 +1027,8 @@ def test_a_link_loop_is_not_also_called_a_missing_config_json(damaged):
 
 
 @pytest.mark.parametrize("damage_id", ["attention_bias_the_model_has_not",
-                                       "lm_head_stored_but_tied"])
+                                       "lm_head_stored_but_tied",
+                                       "gate_and_up_weight_scale_2_differ"])
 def test_serve_refuses_weights_it_would_have_ignored(damage_id, damaged):
     damage = next(d for d in HAND_DAMAGES if d.id == damage_id)
     _assert_serve_refuses(damaged(damage), damage.needles)
