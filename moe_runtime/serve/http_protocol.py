@@ -17,6 +17,11 @@ that declares its body's length twice, with both ``Content-Length`` and ``Transf
 body this server reads would be smuggled in as a request of their own): h11 reads it as chunked and
 keeps the connection; here it is refused and the connection closed, as the RFC asks.
 
+A request target in absolute form (``GET http://host/health HTTP/1.1``, what a client
+configured to use this server as its proxy sends) is served as its path: RFC 9112 section 3.2.2
+says a server must accept it, and uvicorn would take the whole URL for the path (a 404 for
+``/http://host/health``).
+
 What the protocol answers itself (the 400 and the 408) carries ``x-request-id`` (the client's,
 when its headers were read) and has its access-log line and its count in
 ``moe_runtime_requests_total``, as every response of the app has. A 400 for a body that breaks
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -61,6 +67,20 @@ def _malformed_body(detail: str, advice: str = "") -> bytes:
 FRAMING_CONFLICT = ("the request has both a Content-Length and a Transfer-Encoding header, which "
                     "frame its body in two ways (RFC 9112 section 6.1)")
 FRAMING_ADVICE = "send one of them: Content-Length for a body of known length, else chunked"
+
+
+_ABSOLUTE = re.compile(rb"(?i)https?://[^/?#]*(?P<rest>.*)", re.S)
+
+
+def _origin_form(event: h11.Request) -> h11.Request:
+    """``event`` with an absolute-form target (``http://host/path?q``) as its path and query."""
+    m = _ABSOLUTE.match(event.target)
+    if m is None:
+        return event  # '*', or not an http(s) URL: routed (or refused) as it is
+    rest = m.group("rest")
+    target = rest if rest.startswith(b"/") else b"/" + rest  # 'http://a?q' is '/?q'
+    return h11.Request(method=event.method, headers=event.headers, target=target,
+                       http_version=event.http_version)
 
 
 def _framing_conflict(event: h11.Request) -> bool:
@@ -99,6 +119,8 @@ def protocol_with_read_deadline(seconds: float, metrics=None) -> type[H11Protoco
                                           event.target.decode("ascii", "replace").partition("?")[0],
                                           event.headers)
                     raise h11.RemoteProtocolError(FRAMING_CONFLICT, 400)
+                if isinstance(event, h11.Request) and not event.target.startswith(b"/"):
+                    event = _origin_form(event)
                 return event
 
             self.conn.next_event = next_event

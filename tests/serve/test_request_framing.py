@@ -163,3 +163,17 @@ def test_a_bad_chunk_in_the_body_is_logged_as_the_400_sent(server, api_key):
     assert _header(head, b"x-request-id") == rid.encode()
     (line,) = server.lines_with(f"request_id={rid}")
     assert " POST /v1/completions 400 " in line and "malformed_http_request" in line, line
+
+
+@pytest.mark.parametrize("target", [b"http://example.invalid/v1/completions",
+                                    b"HTTP://127.0.0.1:1/v1/completions?x=1"])
+def test_an_absolute_form_target_is_served_as_its_path(server, api_key, target):
+    """RFC 9112 3.2.2: a server must accept it (a client set to use this server as a proxy
+    sends it); uvicorn took the whole URL for the path, a 404 for '/http://...'."""
+    with connect(server) as s:
+        s.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  + f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+        head, _, body = _answer(s).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head + body
+    assert json.loads(body)["choices"]
