@@ -724,11 +724,13 @@ class _Guard:
         key = self.server.api_key
         if not key or scope["path"] in UNGUARDED:
             return None
-        header = ""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value.decode("latin-1")
-                break
+        given = [value.decode("latin-1") for name, value in scope.get("headers", ())
+                 if name == b"authorization"]
+        if len(given) > 1:
+            # one header field (RFC 9110 11.6.2): which one a proxy in front checked is unknown
+            return APIError(401, f"the request has {len(given)} Authorization headers; send one, "
+                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
+        header = given[0] if given else ""
         scheme, _, token = header.partition(" ")
         if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
                                                                  key.encode()):

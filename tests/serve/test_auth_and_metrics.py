@@ -19,6 +19,18 @@ def test_every_route_but_health_and_metrics_needs_the_key(server, api_key, metho
         assert r.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize("order", ["right-first", "wrong-first"])
+def test_two_authorization_headers_are_refused_whichever_comes_first(server, api_key, order):
+    """One field (RFC 9110 11.6.2); the first used to win, so 'right, wrong' was let in while a
+    proxy in front that read the last saw a wrong key."""
+    keys = [api_key, "wrong"] if order == "right-first" else ["wrong", api_key]
+    headers = httpx.Headers([("Authorization", f"Bearer {k}") for k in keys])
+    r = httpx.get(server.root + "/v1/models", headers=headers)
+    assert r.status_code == 401, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_api_key" and "2 Authorization headers" in err["message"]
+
+
 def test_health_and_metrics_need_no_key(server):
     # as vLLM guards only /v1: a Prometheus scraper holds no API key
     assert httpx.get(server.root + "/health").status_code == 200
