@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable
+from urllib.parse import quote
 
 access_log = logging.getLogger("moe_runtime.serve.access")
 
@@ -39,9 +40,15 @@ def route_label(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
+def logged_path(path: str, limit: int = 200) -> str:
+    """``path`` (decoded by uvicorn, so any character) percent-encoded again for a log line:
+    a ``%0A`` in a request line must not start a forged line of its own, nor a space add fields."""
+    return quote(path[:limit], safe="!#$&'()*+,/:;=?@[]~")
+
+
 def log_request(client, method: str, path: str, status: int, seconds: float, extra: str,
                 request_id: str) -> None:
     """``client method path status milliseconds [extra] request_id=...``."""
     host, port = client[:2] if client else ("-", 0)
-    access_log.info("%s:%s %s %s %d %.1fms%s request_id=%s", host, port, method, path[:200],
-                    status, seconds * 1000, extra, request_id)
+    access_log.info("%s:%s %s %s %d %.1fms%s request_id=%s", host, port, method,
+                    logged_path(path), status, seconds * 1000, extra, request_id)

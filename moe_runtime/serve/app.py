@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moe_runtime.serve.access_log import log_request, request_id, route_label
+from moe_runtime.serve.access_log import log_request, logged_path, request_id, route_label
 from moe_runtime.serve.engine import Delta, Engine, EngineError, EngineUnavailable
 from moe_runtime.serve.metrics import ServerMetrics
 from moe_runtime.serve.protocol import (
@@ -805,7 +805,7 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
                                headers={"Allow": allow} if allow else None)
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", logged_path(request.url.path))
         return _error_response(APIError(500, f"internal error: {clip(str(exc), 1000)}",
                                         type="server_error"))
 

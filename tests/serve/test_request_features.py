@@ -212,3 +212,22 @@ def test_x_request_id_is_echoed_or_made(client, server, api_key):
     assert len(made) == 32
     refused = httpx.get(server.root + "/v1/models", headers={"x-request-id": "mine"})
     assert refused.status_code == 401 and refused.headers["x-request-id"] == "mine"
+
+
+def test_a_newline_in_the_path_cannot_forge_an_access_line(server, api_key):
+    """uvicorn decodes '%0A' in the path to a newline; the access line re-encodes it, so the
+    request has one line and no line of the client's making appears in the log."""
+    import socket
+    import uuid
+
+    rid = f"forge-{uuid.uuid4().hex}"
+    forged = f"FORGED-{uuid.uuid4().hex}"
+    host, port = server.root.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"GET /health%0A{forged}%20GET%20/x%20200 HTTP/1.1\r\nHost: x\r\n"
+                  f"x-request-id: {rid}\r\nConnection: close\r\n\r\n".encode())
+        while s.recv(65536):
+            pass
+    (line,) = server.lines_with(f"request_id={rid}")
+    assert f"GET /health%0A{forged}%20GET%20/x%20200 401 " in line, line  # no key sent
+    assert not [x for x in server.lines if x.startswith(forged)]
