@@ -9,6 +9,8 @@ build it. Nothing here concerns quantization.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import Any
 
@@ -315,19 +317,36 @@ def _mixtral(f: _Fields) -> list[MoEStructure]:
     return [MoEStructure(index=i, **common) for i in range(n)]
 
 
+_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
 def _deepseek_v3(f: _Fields) -> list[MoEStructure]:
     scoring = str(f.get("scoring_func", "sigmoid"))
     if scoring not in ("sigmoid", "softmax"):
         raise CheckpointError(
             f"{f.file}: {f._key('scoring_func')} is {scoring!r}; accepted: 'sigmoid', 'softmax'")
     # transformers' DeepseekV3Config defaults; topk_method 'noaux_tc' is the bias-corrected router.
+    # Any other name was taken as a router without the bias, silently: only DeepSeek's own names
+    # are (the bias-free ones select as transformers' router does, less the bias).
+    topk_method = f.get("topk_method", "noaux_tc")
+    if topk_method not in _TOPK_METHODS:
+        raise CheckpointError(
+            f"{f.file}: {f._key('topk_method')} is {topk_method!r}; accepted: "
+            + ", ".join(repr(m) for m in _TOPK_METHODS)
+            + " ('noaux_tc' selects with e_score_correction_bias)")
+    scaling = f.float("routed_scaling_factor", 2.5)
+    if not (math.isfinite(scaling) and scaling > 0):  # it multiplies every routed output
+        raise CheckpointError(
+            f"{f.file}: {f._key('routed_scaling_factor')} is {scaling!r}; expected a positive "
+            "number (the routed experts' output is multiplied by it: a negative one flips it, "
+            "0 drops it)")
     router = RouterSpec(
         scoring,
         renormalize=f.bool("norm_topk_prob", True),
         n_group=f.int("n_group", default=8, minimum=1),
         topk_group=f.int("topk_group", default=4, minimum=1),
-        routed_scaling_factor=f.float("routed_scaling_factor", 2.5),
-        has_correction_bias=str(f.get("topk_method", "noaux_tc")) == "noaux_tc",
+        routed_scaling_factor=scaling,
+        has_correction_bias=topk_method == "noaux_tc",
     )
     moe_intermediate = f.int("moe_intermediate_size", minimum=1)
     first_dense = f.int("first_k_dense_replace", default=3)

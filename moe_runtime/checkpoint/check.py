@@ -913,10 +913,50 @@ class _Check:
             return layers  # formats unknown: the stored shapes cannot be judged (packed or not)
         self._linears(linears)
         self._attention_shapes(arch, prefix, linears)
+        self._shared_expert_shapes(layers, linears)
         if tensors_ok and arch.served:
             self._tied_lm_head()
             self._unread_dense_tensors(arch, prefix, layers)
         return layers
+
+    def _shared_expert_shapes(self, layers: list[MoELayerInfo], linears) -> None:
+        """A layer's shared expert has the intermediate size config.json gives it (DeepSeek-V3:
+        ``moe_intermediate_size x n_shared_experts``; Qwen2-MoE:
+        ``shared_expert_intermediate_size``); a wrong one passed the check and loading refused
+        the tensor."""
+        formats_of = {module: quant.format for module, quant in linears}
+        wrong = []
+        for layer in layers:
+            size = layer.shared_expert_intermediate_size
+            block = layer.name.rsplit(".experts", 1)[0]
+            gate, up, down = layer.expert_names
+            for container in (f"{block}.shared_experts", f"{block}.shared_expert"):
+                if f"{container}.{gate}.weight" not in self.tensors:
+                    continue
+                h = layer.hidden_size
+                for proj, shape in ((gate, (size, h)), (up, (size, h)), (down, (h, size))):
+                    name = f"{container}.{proj}.weight"
+                    meta = self.tensors.get(name)
+                    if meta is None or len(meta.shape) != 2 or size is None:
+                        continue  # missing: the layer rules; no size: nothing declared
+                    layout = LAYOUTS.get(formats_of.get(f"{container}.{proj}", ""))
+                    if layout is not None and meta.dtype not in layout.weight_dtypes:
+                        continue  # stored in another format than resolved: _linears says so
+                    elements = (meta.shape[0], meta.shape[1] * (layout.pack if layout else 1))
+                    if elements != shape:
+                        wrong.append((name, elements, shape))
+        if not wrong:
+            return
+        name, elements, shape = wrong[0]
+        f = self._model_fields()
+        said = ", ".join(f"{k} {f[k]}" for k in ("moe_intermediate_size", "n_shared_experts",
+                                                   "shared_expert_intermediate_size") if k in f)
+        self.add("tensors", str(self.folder / CONFIG),
+                 f"the shared expert tensor {name!r} holds {list(elements)} ([out, in] "
+                 f"elements), but config.json ({said}) gives it {list(shape)}"
+                 + _more(len(wrong) - 1, "tensor") + "; loading would refuse the tensor",
+                 f"the shared expert's intermediate size the tensors hold "
+                 f"({elements[0] if elements[1] == shape[1] else elements[1]})")
 
     # leaves loading reads beside a module's weight (the dense linears' scales), or that the
     # served model needs not (KV-cache scales: the cache is kept in the model's dtype; RoPE's
@@ -1054,7 +1094,30 @@ class _Check:
         formats_of = {module: quant.format for module, quant in linears}
         stored: dict[str, tuple[int, ...]] = {}  # tensor -> its shape in elements
         wrong: list[tuple[str, tuple[int, ...], tuple[int, ...], str]] = []
-        for i in range(min(declared, MAX_LAYERS)):
+        layers = range(min(declared, MAX_LAYERS))
+        # a tensor the attention needs that no layer stores (one some layers lack is reported
+        # by _layers_alike): e.g. DeepSeek's q_proj when config.json's q_lora_rank is null
+        absent = [(leaf, how) for leaf, _shape, how in expected.shapes
+                  if leaf.endswith(("_proj.weight", "_mqa.weight"))  # norms, biases: optional
+                  and not any(f"{prefix}layers.{i}.self_attn.{leaf}" in self.tensors
+                             for i in layers)]
+        if absent and any(f"{prefix}layers.{i}.self_attn." in t for t in self.tensors
+                          for i in layers[:1]):
+            held = sorted({t.split(".self_attn.", 1)[1] for t in self.tensors
+                           if t.startswith(f"{prefix}layers.0.self_attn.")
+                           and t.endswith(".weight")} - {leaf for leaf, _s, _h in expected.shapes})
+            leaf, how = absent[0]
+            self.add("tensors", file,
+                     f"the attention config.json describes needs 'self_attn.{leaf}' ({how}) in "
+                     f"every decoder layer, but no layer stores it"
+                     + _more(len(absent) - 1, "tensor")
+                     + (f"; the layers store {', '.join(repr(h) for h in held[:4])} instead"
+                        if held else "") + "; loading would refuse the checkpoint",
+                     f"the config of the attention the tensors are of ({arch.name}: e.g. "
+                     "q_lora_rank null means one q_proj, a number q_a_proj and q_b_proj)"
+                     if arch.name.startswith("Deepseek") else
+                     "the config of the attention the tensors are of")
+        for i in layers:
             for leaf, shape, how in expected.shapes:
                 name = f"{prefix}layers.{i}.self_attn.{leaf}"
                 meta = self.tensors.get(name)

@@ -1010,6 +1010,24 @@ HAND_DAMAGES = [
     Damage("down_input_scale_differs_between_nvfp4_experts", "qwen3_nvfp4",
            set_scalar(f"{EXPERT}.down_proj.input_scale", 0.25), "scales",
            ["the down_proj input_scale differs between experts", "is 0.25 but"]),
+    # DeepSeek-V3's config: an unknown topk_method routed without the correction bias, and a
+    # negative routed_scaling_factor flipped every MoE output, both served without a word; a
+    # null q_lora_rank or another n_shared_experts passed the check, and loading refused them
+    Damage("topk_method_unknown", "deepseek_fp8", set_config(topk_method="bogus"), "config",
+           ["config.json", "topk_method is 'bogus'", "'noaux_tc', 'greedy'",
+            "e_score_correction_bias"]),
+    *[Damage(f"routed_scaling_factor_{label}", "deepseek_fp8",
+             set_config(routed_scaling_factor=value), "config",
+             ["config.json", f"routed_scaling_factor is {value!r}", "a positive number"])
+      for label, value in (("negative", -2.5), ("zero", 0))],
+    Damage("q_lora_rank_null_for_low_rank_tensors", "deepseek_fp8", set_config(q_lora_rank=None),
+           "tensors", ["config.json", "needs 'self_attn.q_proj.weight'", "no layer stores it",
+                       "'q_a_proj.weight', 'q_b_proj.weight' instead", "q_lora_rank null"]),
+    Damage("n_shared_experts_disagrees_with_tensors", "deepseek_fp8",
+           set_config(n_shared_experts=2), "tensors",
+           ["config.json", "'model.layers.1.mlp.shared_experts.gate_proj.weight' holds [32, 64]",
+            "n_shared_experts 2", "gives it [64, 64]", "(and 2 more tensors like it)",
+            "intermediate size the tensors hold (32)"]),
 ]
 
 
@@ -1028,7 +1046,8 @@ def test_a_link_loop_is_not_also_called_a_missing_config_json(damaged):
 
 @pytest.mark.parametrize("damage_id", ["attention_bias_the_model_has_not",
                                        "lm_head_stored_but_tied",
-                                       "gate_and_up_weight_scale_2_differ"])
+                                       "gate_and_up_weight_scale_2_differ",
+                                       "topk_method_unknown"])
 def test_serve_refuses_weights_it_would_have_ignored(damage_id, damaged):
     damage = next(d for d in HAND_DAMAGES if d.id == damage_id)
     _assert_serve_refuses(damaged(damage), damage.needles)
