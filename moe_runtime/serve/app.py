@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -680,8 +681,61 @@ async def _merge(streams: list[AsyncIterator[Delta]], indices: list[int]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class _KeyCheck:
+    """ASGI middleware: the API key. Inside the CORS middleware (a preflight needs no key) and
+    inside :class:`_Guard`, so that a 401 is logged and counted like any response."""
+
+    def __init__(self, app, server: _Server) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        err = self._auth_error(scope) if scope["type"] == "http" else None
+        if err is not None:
+            await _error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _auth_error(self, scope) -> APIError | None:
+        key = self.server.api_key
+        if not key or scope["path"] in UNGUARDED:
+            return None
+        given = [value.decode("latin-1") for name, value in scope.get("headers", ())
+                 if name == b"authorization"]
+        if len(given) > 1:
+            # one header field (RFC 9110 11.6.2): which one a proxy in front checked is unknown
+            return APIError(401, f"the request has {len(given)} Authorization headers; send one, "
+                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
+        header = given[0] if given else ""
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            return None
+        what = "no API key was provided" if not header else "the API key is not valid"
+        return APIError(401, f"{what}; send it as 'Authorization: Bearer <key>'",
+                        code="invalid_api_key")
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in OpenAI's error shape (Starlette's
+    is the plain text ``Disallowed CORS origin``)."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        what = response.body.decode().removeprefix("Disallowed CORS ")
+        err = APIError(400, f"the CORS preflight is refused: its {what} is not allowed (the "
+                            "server's --allowed-origins, --allowed-methods and --allowed-headers "
+                            "say what is)", code="cors_preflight_refused")
+        headers = {k: v for k, v in response.headers.items()
+                   if k not in ("content-length", "content-type")}
+        return JSONResponse(err.body(), status_code=400, headers=headers)
+
+
 class _Guard:
-    """ASGI middleware: API key, request metrics and the one log line per request."""
+    """ASGI middleware, outermost: request ids, request metrics and the one log line per
+    request (CORS preflights and 401s included)."""
 
     def __init__(self, app, server: _Server) -> None:
         self.app = app
@@ -706,11 +760,7 @@ class _Guard:
             await send(message)
 
         try:
-            err = self._auth_error(scope)
-            if err is not None:
-                await _error_response(err)(scope, receive, send_wrapper)
-            else:
-                await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
         except ClientDisconnect:
             # The client left mid-request or mid-response: its fault, nobody to answer, no
             # traceback. The access line says so.
@@ -719,25 +769,6 @@ class _Guard:
             scope["state"].setdefault("moe_request", {})["client_gone"] = True
         finally:
             self._finish(scope, path, status_holder["status"], time.perf_counter() - start, rid)
-
-    def _auth_error(self, scope) -> APIError | None:
-        key = self.server.api_key
-        if not key or scope["path"] in UNGUARDED:
-            return None
-        given = [value.decode("latin-1") for name, value in scope.get("headers", ())
-                 if name == b"authorization"]
-        if len(given) > 1:
-            # one header field (RFC 9110 11.6.2): which one a proxy in front checked is unknown
-            return APIError(401, f"the request has {len(given)} Authorization headers; send one, "
-                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
-        header = given[0] if given else ""
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
-                                                                 key.encode()):
-            return None
-        what = "no API key was provided" if not header else "the API key is not valid"
-        return APIError(401, f"{what}; send it as 'Authorization: Bearer <key>'",
-                        code="invalid_api_key")
 
     def _finish(self, scope, path: str, status: int, seconds: float, rid: str) -> None:
         refused = scope["state"].get("refused_by_protocol")
@@ -833,14 +864,15 @@ def create_app(engine: Engine | None, *, served_model_name: str | None = None,
     # Starlette answers a path with a trailing slash by a 307 to a Location built from the
     # client's Host header (an open redirect): such a path is unknown, a 404 like any other
     app.router.redirect_slashes = False
-    app.add_middleware(_Guard, server=server)
-    if cors is not None:  # outermost: a preflight needs no API key
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+    # the last added is the outermost: _Guard, then CORS (a preflight needs no API key), then
+    # the key check
+    app.add_middleware(_KeyCheck, server=server)
+    if cors is not None:
+        app.add_middleware(_Cors, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods),
                            allow_headers=list(cors.allowed_headers),
                            allow_credentials=cors.allow_credentials,
                            expose_headers=["x-request-id"])
+    app.add_middleware(_Guard, server=server)
     app.state.server = server
     return app

@@ -127,6 +127,24 @@ def test_cors_answers_the_allowed_origin_only(house):
     assert get.headers["access-control-allow-origin"] == "http://example.org"
 
 
+def test_a_preflight_has_a_request_id_and_an_access_line_and_a_refused_one_is_openai_shaped(
+        house):
+    """The CORS middleware answered preflights outside the one that logs: no x-request-id, no
+    access line, and a refusal in plain text ('Disallowed CORS origin')."""
+    preflight = {"Access-Control-Request-Method": "POST"}
+    for origin, status in (("http://example.org", 200), ("http://elsewhere.example", 400)):
+        rid = f"preflight-{status}-{os.getpid()}"
+        r = httpx.options(house.root + "/v1/completions",
+                          headers={"Origin": origin, "x-request-id": rid, **preflight})
+        assert r.status_code == status, r.text
+        assert r.headers["x-request-id"] == rid
+        (line,) = house.lines_with(f"request_id={rid}")
+        assert f" OPTIONS /v1/completions {status} " in line, line
+    err = r.json()["error"]
+    assert err["code"] == "cors_preflight_refused" and "origin" in err["message"], err
+    assert "--allowed-origins" in err["message"]
+
+
 def test_no_cors_headers_without_allowed_origins(server):
     r = httpx.get(server.root + "/health", headers={"Origin": "http://example.org"})
     assert "access-control-allow-origin" not in r.headers
