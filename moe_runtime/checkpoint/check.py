@@ -1243,6 +1243,17 @@ class _Check:
             wanted.append("lm_head.weight")
         for i in range(min(declared, MAX_LAYERS)):
             wanted += [f"{prefix}layers.{i}.{n}" for n in self.DENSE_PER_LAYER]
+        hidden = f.get("hidden_size")
+        if isinstance(hidden, int) and not isinstance(hidden, bool):  # RMSNorms of [hidden]
+            norms = [n for n in wanted if n.endswith("norm.weight") and n in self.tensors
+                     and tuple(self.tensors[n].shape) != (hidden,)]
+            if norms:
+                self.add("tensors", str(self.folder / self.tensors[norms[0]].file),
+                         f"tensor {norms[0]!r} has shape {list(self.tensors[norms[0]].shape)}, "
+                         f"but config.json's hidden_size is {hidden}"
+                         + _more(len(norms) - 1, "tensor") + " (the model's norms hold one "
+                         "weight per hidden feature); loading would refuse the tensor",
+                         f"[{hidden}], or the hidden_size the tensors hold")
         missing = [n for n in wanted if n not in self.tensors]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:4]) + (

@@ -1028,6 +1028,12 @@ HAND_DAMAGES = [
            ["config.json", "'model.layers.1.mlp.shared_experts.gate_proj.weight' holds [32, 64]",
             "n_shared_experts 2", "gives it [64, 64]", "(and 2 more tensors like it)",
             "intermediate size the tensors hold (32)"]),
+    Damage("layer_norms_of_another_width", "qwen3_fp8", edit_tensors(lambda t: [
+        t.__setitem__(f"model.layers.{i}.input_layernorm.weight",
+                      torch.ones(32, dtype=torch.bfloat16)) for i in range(2)]), "tensors",
+           ["'model.layers.0.input_layernorm.weight' has shape [32]",
+            "config.json's hidden_size is 64", "(and 1 more tensor like it)",
+            "loading would refuse", "accepted: [64]"]),
 ]
 
 
