@@ -762,7 +762,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
                           f"a message accepts: {accepted}", param, "unknown_field") from None
         elif err["type"] == "extra_forbidden" and loc[0] in _NESTED:
             accepted = ", ".join(_NESTED[loc[0]].model_fields)
-            message = f"unknown field {param!r}; {loc[0]} accepts: {accepted}"
+            # the code of an unknown top-level field and of a message's unknown key
+            raise invalid(f"unknown field {param!r}; {loc[0]} accepts: {accepted}", param,
+                          "unknown_field") from None
         else:
             shown = clip(err.get("input"), 80, quoted=True)
             message = f"invalid value for {param!r}: {clip(err['msg'], 500)} (got {shown})"

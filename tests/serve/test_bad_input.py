@@ -214,3 +214,12 @@ def test_a_null_tool_call_id_is_served(http, server):
     r = http.post("/v1/chat/completions", json={"model": server.model, "max_tokens": 2, "messages": [
         {"role": "user", "content": "hello", "tool_call_id": None}]})
     assert r.status_code == 200, r.text
+
+
+def test_an_unknown_key_of_stream_options_has_the_unknown_field_code(http, server):
+    """As an unknown top-level field and a message's unknown key have; it was invalid_value."""
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True, "include_usge": True}}
+    err = assert_error(http.post("/v1/completions", json=body), 400,
+                       param="stream_options.include_usge", code="unknown_field")
+    assert "include_usage, continuous_usage_stats, include_obfuscation" in err["message"]
