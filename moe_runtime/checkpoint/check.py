@@ -349,6 +349,7 @@ class _Check:
         self.tensors: dict[str, TensorMeta] = {}
         self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
         self.duplicates: list[tuple[str, str, str]] = []  # (tensor, first file, second file)
+        self.unreadable: list[str] = []  # weight files whose header could not be read (OSError)
         self.scale_count = self.scale_bytes = 0
         self.scale_seconds = 0.0
         self.estimate: MemoryEstimate | None = None
@@ -811,8 +812,8 @@ class _Check:
                      "each tensor in one .safetensors file (remove the stray copy, or the file "
                      "that repeats the others)")
         if mapped is not None:
-            missing = [(t, f) for t, f in mapped.items()
-                       if (self.folder / f).is_file() and self.tensors.get(t, None) is None]
+            missing = [(t, f) for t, f in mapped.items() if (self.folder / f).is_file()
+                       and f not in self.unreadable and self.tensors.get(t, None) is None]
             if missing:
                 t, f = missing[0]
                 self.add("index", str(index),
@@ -836,7 +837,7 @@ class _Check:
                          f"{self.tensors[unlisted[0]].file}"
                          + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""),
                          "an index that lists every tensor of its shards")
-        return len(self.findings) == before
+        return len(self.findings) == before and not self.unreadable
 
     def _read_header(self, path: Path) -> None:
         where = str(path)
@@ -845,6 +846,8 @@ class _Check:
         except HeaderError as exc:
             if not isinstance(exc.__cause__, OSError):  # an unreadable file: check_folder says so
                 self.add("safetensors", where, exc.problem, exc.expected)
+            else:  # its tensors are unknown, not missing
+                self.unreadable.append(path.name)
             return
         data_size = header.data_size
         bad: list[str] = []
@@ -892,8 +895,8 @@ class _Check:
                 activation=s.activation, router=s.router,
                 shared_expert_intermediate_size=s.shared_expert_intermediate_size,
                 expert_names=arch.expert_names, quant=quant))
-        if not tensors_ok and not tensors:
-            return layers
+        if (not tensors_ok and not tensors) or self.unreadable:
+            return layers  # a file's tensors are unknown: none is to be called missing
         self._named_modules_exist(spec)
         self._layers_declared()
         if tensors_ok:  # names of an unreadable shard are reported as such, not as missing

@@ -1148,3 +1148,28 @@ def test_plan_refuses_an_ep_size_of_0_as_an_error(qwen3_nvfp4, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["plan", str(qwen3_nvfp4), "--ep-size", "0"])
     assert str(info.value.code) == "error: --ep-size must be at least 1, got 0"
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "one_of_two_shards"])
+def test_an_unreadable_weights_file_is_one_finding_not_every_tensor_missing(
+        sharded, qwen3_fp8, tmp_path, monkeypatch):
+    """A weights file that cannot be opened (permission denied: the tests run as root, so the
+    refusal is made here) was reported, and then every tensor it holds as missing (or, of a
+    shard, as mapped by the index to a file "which does not hold it")."""
+    folder = Path(shutil.copytree(qwen3_fp8, tmp_path / "ckpt"))
+    name = WEIGHTS
+    if sharded:
+        split_in_two_shards(folder)
+        name = SHARDS[1]
+    real_open = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == folder / name:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    report = check_checkpoint(folder, machine=None)
+    assert [f.paragraph for f in report.findings] == [
+        f"{folder / name}: cannot be read (Permission denied); accepted: a readable file, or no "
+        "file of that name"]
