@@ -127,30 +127,26 @@ overlap)
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
 gqa)
-    # moe_runtime/serve/paged_attention.py, fused_norm.py and fused_rope.py (CPU-tested only):
-    # their GPU tests (float32 greedy tokens graph-replayed against transformers' paged|sdpa; the
-    # norm and rotary kernels in bf16/fp16/fp32 against transformers', in a CUDA graph, and under
-    # the engine), then moe-runtime's side with all three against transformers alone (which keeps
-    # its own), moe-runtime with none in the same call, and the 16-client profile with all three
+    # moe_runtime/serve/paged_attention.py, fused_norm.py and fused_rope.py: the norm kernel's
+    # GPU tests, then each configuration in a process of its own (on 2026-12-07 the H100 ran out
+    # of its 80 GB loading the second side of --one-side-at-a-time: the first side's 47 GiB were
+    # still held), in-process at 1/16/64 clients: moe-runtime with all three, transformers alone,
+    # moe-runtime with the norms and rotary kernels only, moe-runtime with none
     wheels .gpu_carry/serve_whl
-    step gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu -rs \
-        tests/serve/test_engine_cuda_graphs.py tests/serve/test_fused_norm.py \
-        tests/serve/test_fused_rope.py -k "grouped_query or decode_gives or fused"
+    step gpu_tests 60 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_fused_norm.py
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    # one side at a time: both sides' weights (ours NVFP4, theirs dequantized to bf16: 56 GiB)
-    # do not fit an 80 GB card together
-    step bench_serve 300 python benchmarks/bench_serve.py --gqa-attention --fused-norms --fused-rope \
-        --one-side-at-a-time --model /tmp/q30 --device cuda --clients 1,4,16,64 \
-        --prompt-len 128 --max-tokens 32 --repeats 1 --no-progress --out "$OUT/serve"
-    # moe-runtime with none of them, same card and run: what the three change
-    step bench_serve_off 90 python benchmarks/bench_serve.py --sides moe-runtime \
-        --modes in-process --model /tmp/q30 --device cuda --clients 16,64 --prompt-len 128 \
-        --max-tokens 32 --repeats 1 --no-progress --out "$OUT/serve_off"
-    step profile_serve 70 env MOE_RUNTIME_GQA_ATTENTION=1 MOE_RUNTIME_FUSED_NORMS=1 \
-        MOE_RUNTIME_FUSED_ROPE=1 \
-        python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 --graphs on \
-        --out "$OUT/prof"
+    common=(--modes in-process --model /tmp/q30 --device cuda --clients 1,16,64 --prompt-len 128
+            --max-tokens 32 --repeats 1 --no-progress)
+    step ours_all 100 python benchmarks/bench_serve.py --sides moe-runtime --gqa-attention \
+        --fused-norms --fused-rope "${common[@]}" --out "$OUT/ours_all"
+    step theirs 190 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
+        --out "$OUT/theirs"
+    step ours_norms_rope 90 python benchmarks/bench_serve.py --sides moe-runtime --fused-norms \
+        --fused-rope "${common[@]}" --out "$OUT/ours_nr"
+    step ours_off 90 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
+        --out "$OUT/ours_off"
     ;;
 *)
     echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa" >&2

@@ -13,15 +13,16 @@ key norms), so a 48-layer model launches about 1540 norm kernels a decode step; 
 row's square sum in float32, the normalized row rounded to the input's dtype and then multiplied
 by the weight in float32 and rounded to the result type of ``weight * x`` (as torch does), so the
 two roundings are transformers'. The sum runs in another order than torch's reduction: results
-agree with transformers' to float32 rounding of the variance (in bfloat16 and float16 an output
-element differs by one unit in the last place where that rounding moves it across a rounding
-boundary; in float32 outputs differ by about 1e-7 relative).
+agree with transformers' to float32 rounding of the variance (in bfloat16 and float16 a
+normalized element differs by one unit in the last place where that rounding moves it across a
+rounding boundary, and its product with the weight by up to two; on an H100, 2026-12-07, more than
+99% of the elements were equal; in float32 outputs differ by about 1e-7 relative).
 
 :func:`enable` replaces the forward of a model's norm modules, but only of module classes whose
 own forward gives, on a probe of random rows on the module's device, exactly the formula above
 computed by torch (a norm that adds one to its weight, as Gemma's, or rounds once, as OLMo's,
 keeps its forward), and only where the fused kernel then matches the module's own forward on that
-probe within one unit in the last place (1e-5 relative in float32). Nothing is chosen by a class
+probe within two units in the last place (1e-5 relative in float32). Nothing is chosen by a class
 name. The serving engine enables it when :func:`choose_fused_norms` says so:
 ``MOE_RUNTIME_FUSED_NORMS=1`` (or the engine's ``fused_norms=True``) on a CUDA device with
 Triton; it is off by default until a GPU run has measured it (benchmarks/RESULTS.md, "Pending GPU
@@ -164,17 +165,19 @@ def _candidate(module) -> bool:
 
 
 def _ulp_close(a, b) -> bool:
-    """Equal but for elements one unit in the last place of a 16-bit dtype apart (or closer);
-    in float32, where no rounding to the input's dtype hides the variance's summation order,
-    within 1e-5 relative."""
+    """Equal but for the flips the variance's summation order can make in a 16-bit dtype: the
+    normalized row's element one unit in the last place off, scaled by the weight, then the
+    product's own rounding (at most two units of the result, relative); in float32, where no
+    rounding to the input's dtype hides that order, within 1e-5 relative."""
     import torch
 
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if torch.equal(a, b):
         return True
-    # at most one ulp of |b| in b's dtype (its relative spacing, times |b|)
-    rel = max(torch.finfo(b.dtype).eps, 1e-5)
+    # two ulps of |b| in b's dtype (its relative spacing, twice, times |b|); on an H100 a
+    # float16 row of 2048 had products 1.5 ulps apart where the normalized element flipped
+    rel = max(2 * torch.finfo(b.dtype).eps, 1e-5)
     bound = rel * b.float().abs() + torch.finfo(b.dtype).tiny
     return bool(((a.float() - b.float()).abs() <= bound).all())
 
@@ -197,7 +200,7 @@ def _probe(module) -> str | None:
         if why is not None:
             return why
         if not _ulp_close(rms_norm(x, weight, eps), own):
-            return "the fused kernel disagrees with its forward by more than one ulp"
+            return "the fused kernel disagrees with its forward by more than two ulps"
     return None
 
 
