@@ -54,11 +54,16 @@ def _timeout_response(seconds: float, rid: str) -> bytes:
     return head + body
 
 
+_BYTEARRAY = re.compile(r"bytearray\((b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\")\)")
+
+
 def _malformed_body(detail: str, advice: str = "") -> bytes:
     from moe_runtime.serve.protocol import clip
 
     advice = advice or ("send HTTP/1.1: a request line 'METHOD /path HTTP/1.1', 'Name: value' "
                         "header lines, a blank line, then a body of the Content-Length declared")
+    # h11 quotes the line it refused as "bytearray(b'GET  /x HTTP/1.1')": the bytes alone
+    detail = _BYTEARRAY.sub(r"\1", detail)
     return json.dumps({"error": {
         "message": f"malformed HTTP request: {clip(detail or 'unreadable', 200)}; {advice}",
         "type": "invalid_request_error", "param": None, "code": "malformed_http_request"}}).encode()

@@ -177,3 +177,12 @@ def test_an_absolute_form_target_is_served_as_its_path(server, api_key, target):
         head, _, body = _answer(s).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), head + body
     assert json.loads(body)["choices"]
+
+
+def test_the_refused_request_line_is_quoted_as_sent_not_as_a_python_bytearray(server):
+    with connect(server) as s:
+        s.sendall(b"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n")  # two spaces: not HTTP/1.1
+        body = _answer(s).partition(b"\r\n\r\n")[2]
+    message = json.loads(body)["error"]["message"]
+    assert "illegal request line: b'GET  /health HTTP/1.1';" in message, message
+    assert "bytearray" not in message
