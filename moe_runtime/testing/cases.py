@@ -129,6 +129,10 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         # 0-7 (a backend that subtracts first_local_expert again, or reads global ids, is caught;
         # on rank 0 the offset is 0 and hides it)
         Shape("remote_slots_rank1of2", 10, h, i, 8, 3, "remote_slots", ep_rank=1, ep_size=2),
+        # rank 1 of 2 with every slot local, in every layout: masked blocks are this rank's
+        # experts 0-7 (the layer's 8-15); a masked path that reads its experts by global id, or
+        # adds first_local_expert, is caught (remote slots are token-major only)
+        Shape("local_slots_rank1of2", 10, h, i, 8, 2, ep_rank=1, ep_size=2),
         # the smallest sizes the declaration admits, in a few tokens and in a batch large enough
         # for a backend's large-batch path (the GEMM-shaped one)
         Shape("smallest_sizes", 5, m, m, 4, 2),

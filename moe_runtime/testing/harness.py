@@ -299,8 +299,10 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
                              ep_rank=case.shape.ep_rank, ep_size=case.shape.ep_size)
         cls = load_factory(bspec.factory, backend_name)
         w = w.to(dev)
-        d, handle, comm = _dispatch_locally(problem, case.layout, x.to(dev), ids.to(dev),
-                                            tw.to(dev))
+        # dispatched to this rank's experts (ids are local already: masked builds their blocks)
+        d, handle, comm = _dispatch_locally(
+            attrs.evolve(problem, num_experts=case.shape.experts), case.layout, x.to(dev),
+            ids.to(dev), tw.to(dev))
         d = _with_payload(d, payload, w)
         if not checked:
             out = cls(setup=setup)
@@ -318,19 +320,56 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
             backend = cls(setup=setup)
             stage = "prepare"
             backend.prepare(w)
+            # another layer of the same shape, prepared after it, with other weights (the
+            # experts' order rolled by one): instances must share no state (a module-level cache
+            # keyed by the shape gives every layer the first one's weights)
+            stage = "construction"
+            neighbour = cls(setup=setup)
+            stage = "prepare"
+            neighbour.prepare(_experts_rolled(w))
         except Exception as exc:
             raise failed(exc) from exc
         _unchanged(case, "prepare", "ExpertWeights", weights_before, _tensors_of(w), replay)
         inputs_before = _tensors_of(d)
+        earlier = _earlier_batch(d, w.num_experts)
         stage = "forward"
         try:
+            # the judged forward is the instance's second: its first runs on other inputs (other
+            # experts, rows and weights; half the tokens in token_major), as in serving, where
+            # one instance runs every batch (a grouping or size kept from a forward is caught)
+            backend.forward(earlier)
             out = backend.forward(d)
         except Exception as exc:
             raise failed(exc) from exc
         _unchanged(case, "forward", "Dispatched", inputs_before, _tensors_of(d), replay)
+        # the weights too: a backend may keep them from prepare (the reference reads them next)
+        _unchanged(case, "forward", "ExpertWeights", weights_before, _tensors_of(w), replay)
         _check_output(case, d, out, dtype, replay)
         # combined before any replay: a backend may hand back a buffer a replay rewrites
         eager = comm.combine(out, handle).float().cpu()
+        mine = _valid_rows(d, out).clone()
+        try:
+            theirs = _experts_unrolled(d, neighbour.forward(_relabelled(d, w.num_experts)))
+        except Exception as exc:
+            raise AssertionError(
+                f"{case.id}: {backend_name}'s forward raised {type(exc).__name__}: {exc} in a "
+                f"second instance (another layer of the same shape, its experts' order rolled). "
+                f"Replay: {replay}") from exc
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != out.shape:
+            gap = (float("inf"), 0.0)
+        else:
+            from moe_runtime.tuning.measure import replay_gap
+
+            gap = replay_gap(_valid_rows(d, theirs), mine)
+        if gap:
+            pristine = _clone_dispatched(d)
+
+            def again():  # the judged instance once more, after a third one took its weights
+                cls(setup=setup).prepare(w)
+                return comm.combine(backend.forward(pristine), handle).float().cpu()
+
+            neighbours.append((gap, comm.combine(theirs, handle).float().cpu()
+                               if gap[0] != float("inf") else None, earlier, again))
         # declared capturable: what serve does with decode steps on a CUDA device
         if bspec.cuda_graphs and out.is_cuda and d.hidden.shape[0]:
             def fresh():  # a new instance: whatever the first keeps of its inputs, it lacks
@@ -350,6 +389,7 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     labelled = attrs.evolve(weights, format=case.format)
     replayed: list[torch.Tensor] = []  # the CUDA-graph replay's output, on CUDA devices
     graph_problems: list[str] = []  # a replay on new inputs that differs from the eager call
+    neighbours: list = []  # the same inputs through a second instance, where it differs
     got = run(case.backend, labelled, case.payload, device, case.runs_as, hidden, checked=True)
     ref_runs_as = _reference_format(registry, case.runs_as)
     ref = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float())
@@ -375,9 +415,122 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
                                       "the replay: the captured forward does not write it all)")
         result["ratio"] = max(result["ratio"], again["ratio"])
     result["failures"] += graph_problems
+    for (diff, scale), theirs, earlier, again in neighbours:
+        def meets(out):
+            return out is not None and not judge(case.id, out, ref, emuls, dtype,
+                                                 envelope)["failures"]
+
+        mine_meets, theirs_meets = not result["failures"], meets(theirs)
+        again_meets = (meets(again()) if not mine_meets and theirs_meets else None)
+        result["failures"].append(_state_problem(diff, scale, mine_meets, theirs_meets,
+                                                 again_meets, earlier))
     result["device"] = device
     result["graph_replayed"] = bool(replayed)
     return result
+
+
+def _state_problem(diff: float, scale: float, mine_meets: bool, theirs_meets: bool,
+                   again_meets: bool | None, earlier: Dispatched) -> str:
+    """Why the same inputs through two instances of one layer shape differ, in words: the judged
+    instance (prepared first; the judged forward is its second) and a second one (prepared after
+    it with the experts' order rolled; its first forward, on the inputs relabelled to match)."""
+    if earlier.layout == F.MASKED:
+        first = "its first ran on other rows, one fewer per expert"
+    else:
+        n = int(earlier.hidden.shape[0])
+        first = f"its first ran on {n} other token{'s' if n != 1 else ''}, routed to other experts"
+    what = ("returned no tensor of the first one's shape" if diff == float("inf") else
+            f"differs from it by {diff:.3g} (max |out| {scale:.3g})")
+    rule = ("A forward must depend only on its own instance's prepare and its own Dispatched")
+    second = ("a second instance (another layer of the same shape, prepared after this one with "
+              "the experts' order rolled; its first forward, on the same inputs relabelled)")
+    if mine_meets and not theirs_meets:
+        return (f"state shared between instances: {second} misses the budget and {what}, while "
+                f"this one meets it: the second computes with the first one's weights or state "
+                f"(a module- or class-level cache, e.g. keyed by the shape, gives every layer the "
+                f"first layer's weights). {rule}")
+    if again_meets:
+        return (f"state shared between instances: this instance misses the budget once {second} "
+                f"was prepared ({what}), and meets it again once a third instance is prepared "
+                f"with this one's weights: every instance computes with the last prepare's "
+                f"weights (module- or class-level state). {rule}")
+    if again_meets is False:
+        return (f"state kept between forwards: this instance's second forward ({first}) misses "
+                f"the budget, where {second} meets it ({what}): the backend keeps something of "
+                f"an earlier forward (a grouping, a size, a buffer's contents). {rule}")
+    return (f"state: this instance (the judged forward is its second; {first}) and {second} "
+            f"disagree: the second {what}; this one {'meets' if mine_meets else 'misses'} the "
+            f"budget, the second {'meets' if theirs_meets else 'misses'} it. {rule}: nothing kept "
+            f"from an earlier forward, nothing shared between instances")
+
+
+def _clone_dispatched(d: Dispatched) -> Dispatched:
+    """``d`` with every tensor (``extra`` too) copied."""
+    return attrs.evolve(
+        d, **{f.name: getattr(d, f.name).clone() for f in attrs.fields(Dispatched)
+              if isinstance(getattr(d, f.name), torch.Tensor)},
+        extra={k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in d.extra.items()})
+
+
+def _earlier_batch(d: Dispatched, num_experts: int) -> Dispatched:
+    """Other inputs for an instance's forward before the judged one (:func:`_other_inputs` on a
+    copy); token-major with an unquantized or fp8 payload keeps the first half of its tokens."""
+    e = _clone_dispatched(d)
+    _other_inputs(e, num_experts)
+    if e.layout == F.MASKED or e.payload not in (F.UNQUANTIZED, F.FP8):
+        return e
+    n = int(e.hidden.shape[0])
+    m = (n + 1) // 2
+
+    def half(t):
+        return t[:m].contiguous() if isinstance(t, torch.Tensor) and t.dim() >= 1 and (
+            t.shape[0] == n) else t
+
+    for name in ("hidden", "hidden_scale", "topk_ids", "topk_weights"):
+        setattr(e, name, half(getattr(e, name)))
+    e.extra = {k: half(v) for k, v in e.extra.items()}
+    return e
+
+
+def _rolled(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``t`` rolled along dim 0 (1-byte dtypes through a uint8 view)."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).roll(shift, dims=0).view(t.dtype)
+    return t.roll(shift, dims=0)
+
+
+def _experts_rolled(w):
+    """The weights of another layer of the same shape: expert ``j`` is ``w``'s expert ``j - 1``."""
+    from moe_runtime.backend_api import ExpertWeights
+
+    e = w.num_experts
+    return attrs.evolve(w, **{
+        f.name: _rolled(getattr(w, f.name), 1) for f in attrs.fields(ExpertWeights)
+        if isinstance(getattr(w, f.name), torch.Tensor) and getattr(w, f.name).dim() >= 1
+        and getattr(w, f.name).shape[0] == e})
+
+
+def _relabelled(d: Dispatched, num_experts: int) -> Dispatched:
+    """``d``'s inputs for the layer of :func:`_experts_rolled` (a copy): token-major ids ``e``
+    become ``e + 1``; masked expert blocks move one expert on."""
+    r = _clone_dispatched(d)
+    if r.layout == F.MASKED:
+        for name in ("hidden", "hidden_scale", "masked_m"):
+            t = getattr(r, name)
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == num_experts:
+                setattr(r, name, _rolled(t, 1))
+        r.extra = {k: _rolled(v, 1) if isinstance(v, torch.Tensor) and v.dim() >= 1
+                   and v.shape[0] == num_experts else v for k, v in r.extra.items()}
+    elif r.topk_ids is not None and num_experts:
+        r.topk_ids = torch.where(r.topk_ids >= 0, (r.topk_ids + 1) % num_experts, r.topk_ids)
+    return r
+
+
+def _experts_unrolled(d: Dispatched, out):
+    """The output of :func:`_relabelled` inputs in ``d``'s order (masked: blocks moved back)."""
+    if d.layout == F.MASKED and isinstance(out, torch.Tensor) and out.dim() >= 1:
+        return _rolled(out, -1)
+    return out
 
 
 def _graph_replay(case, backend, d: Dispatched, eager: torch.Tensor, replay: str,

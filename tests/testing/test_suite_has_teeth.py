@@ -55,6 +55,18 @@ LIARS = {
     # a 16-bit accumulator (rounded every 16 columns of the reduction)
     "liar_dtype_accumulation": ("ModelDtypeAccumulation", 'Support(formats=["bf16", "fp16"], '
                                 'activations=["silu", "gelu"], hardware=CPU)'),
+    # state: kept from an instance's first forward, shared between instances (first or last wins)
+    "liar_first_routing": ("RoutingKeptFromFirstForward", 'Support(formats=["bf16"], '
+                           'hardware=CPU)'),
+    "liar_cached_by_shape": ("WeightsCachedByShape", 'Support(formats=["bf16"], hardware=CPU)'),
+    "liar_class_weights": ("WeightsOnTheClass", 'Support(formats=["bf16"], '
+                           'layouts=["token_major", "masked"], hardware=CPU)'),
+    # writes into the weights it was given, in forward rather than prepare
+    "liar_zeroes_weights": ("ZeroesWeightsAfterForward", 'Support(formats=["bf16"], '
+                            'hardware=CPU)'),
+    # expert parallelism, masked: blocks read by global expert id
+    "liar_masked_global_ids": ("ExpertsByGlobalId", 'Support(formats=["bf16"], '
+                               'layouts=["token_major", "masked"], hardware=CPU)'),
 }
 # honest backends beside honest_bf16: right within the bound they declare, wrong past it
 BOUNDED = {
@@ -117,8 +129,9 @@ def _outcomes(xml: Path) -> dict[str, dict[str, list[str]]]:
                 else "skipped" if tc.find("skipped") is not None else "passed")
         by[backend][kind].append(case)
         if kind == "failed":
-            by[backend]["messages"].append((tc.find("failure") if tc.find("failure") is not None
-                                            else tc.find("error")).get("message", ""))
+            failure = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+            by[backend]["messages"].append(failure.get("message", ""))
+            by[backend]["texts"].append(failure.text or "")  # the whole report, never truncated
     return by
 
 
@@ -126,8 +139,9 @@ def _outcomes(xml: Path) -> dict[str, dict[str, list[str]]]:
 def verdicts(site, tmp_path_factory):
     xml = tmp_path_factory.mktemp("junit") / "report.xml"
     names = [*LIARS, *BOUNDED, "honest_bf16", "liar_short_comm"]
+    # every backend's every case, in one process: on a shared 2-core machine this takes minutes
     r = run_cli("conformance", *names, "--", "-q", f"--junitxml={xml}", "-p", "no:randomly",
-                site=site)
+                site=site, timeout=2700)
     assert xml.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     return r, _outcomes(xml)
 
@@ -206,6 +220,11 @@ def test_writing_into_the_inputs_is_named(verdicts):
     weights = _messages(by, "liar_mutates_weights")
     assert weights and all("liar_mutates_weights's prepare modified its input in place: "
                            "ExpertWeights.w13 changed" in m for m in weights), weights[:2]
+    # in forward: the reference, run next on the same tensors, computed zeros, and the failure read
+    # "max error 2.5e+12 of the reference's range" (the weights are checked after forward too)
+    zeroed = _messages(by, "liar_zeroes_weights")
+    assert zeroed and all("liar_zeroes_weights's forward modified its input in place: "
+                          "ExpertWeights.w13, w2 changed" in m for m in zeroed), zeroed[:2]
 
 
 def test_an_expert_id_past_eight_is_exercised(verdicts):
@@ -283,7 +302,7 @@ def test_local_ids_shifted_by_the_rank_are_caught_on_rank_one(verdicts):
     # on rank 0 the shift is 0: only the rank-1-of-2 case can see it
     _, by = verdicts
     failed = by["liar_ids_shifted"]["failed"]
-    assert failed and all("remote_slots_rank1of2" in c for c in failed), failed
+    assert failed and all("_slots_rank1of2" in c for c in failed), failed
     assert any("remote_slots-h" in c for c in by["liar_ids_shifted"]["passed"])
 
 
@@ -329,3 +348,40 @@ def test_a_tanh_approximate_gelu_fails_in_every_format(verdicts):
     msgs = [m for m, c in zip(by["liar_tanh_gelu"]["messages"], failed)
             if "-fp8_w8a8-" in c or "-nvfp4_w4a4-" in c]
     assert msgs and all("bias: least-squares scale" in m for m in msgs), msgs[:2]
+
+
+def test_routing_kept_from_a_first_forward_is_caught(verdicts):
+    # every case ran one forward per instance: a backend right only on its first forward passed
+    _, by = verdicts
+    failed, texts = by["liar_first_routing"]["failed"], by["liar_first_routing"]["texts"]
+    assert len(failed) >= 10, by["liar_first_routing"]["passed"]
+    assert all("state kept between forwards: this instance's second forward (its first ran on "
+               in t for t in texts), texts[:1]
+
+
+def test_weights_shared_between_instances_are_caught_in_each_case(verdicts, site):
+    # a module-level cache keyed by the shape failed only where an earlier case of the process had
+    # the same shape, and the replay of such a case alone passed; a second instance in every case
+    # catches it there, and whichever instance wins (first or last prepared) is named
+    _, by = verdicts
+    for name, words in (("liar_cached_by_shape", "a second instance (another layer of the same "
+                                                 "shape, prepared after this one"),
+                        ("liar_class_weights", "and meets it again once a third instance is "
+                                               "prepared with this one's weights")):
+        failed, texts = by[name]["failed"], by[name]["texts"]
+        assert len(failed) >= 10, (name, by[name]["passed"])
+        assert any("state shared between instances" in t and words in t for t in texts), texts[:1]
+    case = by["liar_cached_by_shape"]["failed"][0]
+    r = run_cli("conformance", "liar_cached_by_shape", "--case", case, "--", "-q", site=site)
+    assert r.returncode == 1 and "state shared between instances" in r.stdout, r.stdout[-2000:]
+
+
+def test_masked_blocks_are_sent_on_rank_one(verdicts):
+    # the rank-1-of-2 case had remote slots, so it ran token-major only: a masked path reading its
+    # blocks by global expert id passed; local_slots_rank1of2 runs every layout on rank 1
+    _, by = verdicts
+    failed = by["liar_masked_global_ids"]["failed"]
+    assert failed == ["liar_masked_global_ids-bf16-silu-masked-unquantized-local_slots_rank1of2-"
+                      "h64i32"], failed
+    assert any("-token_major-unquantized-local_slots_rank1of2-" in c
+               for c in by["liar_masked_global_ids"]["passed"])

@@ -1,4 +1,4 @@
-"""What one-rank conformance cases never send: token slots whose expert lives on another rank."""
+"""Our own test beside the suite: rank 1 of 2, whose slots of the other rank's experts are -1."""
 
 import torch
 

@@ -238,3 +238,90 @@ class ModelDtypeAccumulation(ReferenceExperts):
             return super().forward(d)
         finally:
             torch.Tensor.__matmul__ = exact_mm
+
+
+class RoutingKeptFromFirstForward(ReferenceExperts):
+    """Keeps the routing of its first forward (a grouping computed once, as decode batches look
+    alike): later forwards reuse it for the tokens the first one had. Right on an instance's
+    first forward, which is all the suite ran."""
+
+    def forward(self, d):
+        if d.topk_ids is not None:
+            kept = getattr(self, "_first_ids", None)
+            if kept is None:
+                self._first_ids = kept = d.topk_ids.clone()
+            m = min(kept.shape[0], d.topk_ids.shape[0])
+            ids = d.topk_ids.clone()
+            ids[:m] = kept[:m]
+            d = attrs.evolve(d, topk_ids=ids)
+        return super().forward(d)
+
+
+_PREPARED_BY_SHAPE = {}
+
+
+class WeightsCachedByShape(ReferenceExperts):
+    """Caches prepared weights in the module, keyed by the layer's shape (a second model load is
+    free): every layer of one shape computes with the first one's weights. One case per process
+    passed; the next case of that shape failed, and its replay alone passed."""
+
+    def prepare(self, weights):
+        key = (weights.format, weights.activation, tuple(weights.w13.shape),
+               tuple(weights.w2.shape), self.setup.layout)
+        super().prepare(_PREPARED_BY_SHAPE.setdefault(key, weights))
+
+
+class WeightsOnTheClass(ReferenceExperts):
+    """Keeps the prepared weights on the class (one copy for every layer): each instance computes
+    with the weights of the last layer prepared."""
+
+    def prepare(self, weights):
+        super().prepare(weights)
+        type(self).weights = self.__dict__.pop("weights")
+
+
+class ExpertsByGlobalId(ReferenceExperts):
+    """Keeps its experts in a table indexed by global expert id (other ranks' rows zero) and adds
+    ``first_local_expert`` to the dispatched local ids; the masked path forgets that: block ``e``
+    is read at row ``e``, another rank's expert on every rank but the first (16-bit formats)."""
+
+    def prepare(self, weights):
+        super().prepare(weights)
+        first, local = self.setup.first_local_expert, weights.num_experts
+        total = self.setup.problem.num_experts
+
+        def table(t):
+            out = t.new_zeros((total, *t.shape[1:]))
+            out[first:first + local] = t
+            return out
+
+        self.weights = attrs.evolve(weights, w13=table(weights.w13), w2=table(weights.w2))
+
+    def forward(self, d):
+        if d.topk_ids is not None:
+            first = self.setup.first_local_expert
+            d = attrs.evolve(d, topk_ids=d.topk_ids.where(d.topk_ids < 0, d.topk_ids + first))
+            return super().forward(d)
+        table, local = self.weights, d.hidden.shape[0]
+        self.weights = attrs.evolve(table, w13=table.w13[:local], w2=table.w2[:local])  # rows 0..
+        try:
+            return super().forward(d)
+        finally:
+            self.weights = table
+
+
+class ZeroesWeightsAfterForward(ReferenceExperts):
+    """Right output, but its first forward zeroes the checkpoint's weights it kept from
+    ``prepare`` ("staged already, nothing reads them again"): the engine's tensors, and the
+    reference run after it read them too."""
+
+    def forward(self, d):
+        import torch
+
+        out = super().forward(d)
+        exact = self.weights
+        self.weights = attrs.evolve(exact, w13=exact.w13.clone(), w2=exact.w2.clone())
+        with torch.no_grad():
+            exact.w13.zero_()
+            exact.w2.zero_()
+        return out
