@@ -127,14 +127,14 @@ overlap)
         --model /tmp/q30 --clients 16 --graphs on --out "$OUT/prof"
     ;;
 gqa)
-    # moe_runtime/serve/paged_attention.py, fused_norm.py and fused_rope.py: the norm kernel's
-    # GPU tests, then each configuration in a process of its own (on 2026-12-07 the H100 ran out
+    # moe_runtime/serve/paged_attention.py (its products on tensor cores since 2026-12-07),
+    # fused_norm.py and fused_rope.py: the norm kernel's and the bf16 attention's GPU tests, then each configuration in a process of its own (on 2026-12-07 the H100 ran out
     # of its 80 GB loading the second side of --one-side-at-a-time: the first side's 47 GiB were
     # still held), in-process at 1/16/64 clients: moe-runtime with all three, transformers alone,
     # moe-runtime with the norms and rotary kernels only, moe-runtime with none
     wheels .gpu_carry/serve_whl
     step gpu_tests 60 python -m pytest -q -p no:cacheprovider -m gpu -rs \
-        tests/serve/test_fused_norm.py
+        tests/serve/test_fused_norm.py tests/serve/test_paged_attention.py
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
     common=(--modes in-process --model /tmp/q30 --device cuda --clients 1,16,64 --prompt-len 128

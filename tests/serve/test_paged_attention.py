@@ -124,3 +124,37 @@ def test_a_model_not_enabled_keeps_transformers_function(loaded):
     after = paged_attention.calls()
     assert after["transformers"] == before["transformers"] + 1
     assert after["gqa"] == before["gqa"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the 16-bit "
+                                                            "tensor-core products run there only)")
+def test_gpu_bf16_calls_agree_with_transformers_on_the_same_cache(tmp_path, monkeypatch):
+    """bf16 on CUDA: the products run with 16-bit operands and float32 results (tensor cores);
+    each call agrees with transformers' paged|sdpa on the same cache to bf16 rounding."""
+    from moe_runtime.serve.default_model import make_default_model
+
+    try:  # NVFP4 experts where nvidia-modelopt can export them
+        import modelopt.torch.export  # noqa: F401
+        quant = "mixed"
+    except ImportError:
+        quant = "bf16"
+    loaded = load_for_serving(make_default_model(tmp_path / "m", quant=quant), device="cuda",
+                              dtype="bfloat16", progress=False)
+    gqa = paged_attention.gqa_paged_attention
+    compared = []
+
+    def both(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        ours, _ = gqa(module, query, key, value, attention_mask, dropout=dropout,
+                      scaling=scaling, **kwargs)
+        theirs, _ = paged_attention._original(module, query, key, value, attention_mask,
+                                              dropout=dropout, scaling=scaling, **kwargs)
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == torch.bfloat16
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+        compared.append(query.shape[2])
+        return ours, None
+
+    monkeypatch.setattr(paged_attention, "gqa_paged_attention", both)
+    _greedy(loaded, gqa=True)
+    assert compared, "the grouped-query path never ran"
+    assert paged_attention._tensor_core_ok.get("cuda:0") is True
