@@ -133,7 +133,7 @@ gqa)
     # still held), in-process at 1/16/64 clients: moe-runtime with all three, transformers alone,
     # moe-runtime with the norms and rotary kernels only, moe-runtime with none
     wheels .gpu_carry/serve_whl
-    step gpu_tests 60 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+    step gpu_tests 50 python -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/serve/test_fused_norm.py tests/serve/test_paged_attention.py
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
@@ -143,9 +143,9 @@ gqa)
         --fused-norms --fused-rope "${common[@]}" --out "$OUT/ours_all"
     step theirs 190 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
         --out "$OUT/theirs"
-    step ours_norms_rope 90 python benchmarks/bench_serve.py --sides moe-runtime --fused-norms \
+    step ours_norms_rope 80 python benchmarks/bench_serve.py --sides moe-runtime --fused-norms \
         --fused-rope "${common[@]}" --out "$OUT/ours_nr"
-    step ours_off 90 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
+    step ours_off 80 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
         --out "$OUT/ours_off"
     ;;
 *)
