@@ -109,6 +109,12 @@ def test_probe_takes_only_the_formula(dtype):
     if dtype != torch.float32:  # in float32 rounding once and twice are the same
         assert "not the RMSNorm formula" in fused_norm._probe(RoundOnce(96).to(dtype))
 
+    class TwoInputs(OnePlusWeight):  # e.g. a gated norm: forward(x, gate)
+        def forward(self, x, gate):
+            return x * gate
+
+    assert "does not take one tensor" in fused_norm._probe(TwoInputs(96).to(dtype))
+
 
 @needs_kernel
 def test_probe_refuses_a_kernel_that_disagrees(monkeypatch):
