@@ -79,7 +79,10 @@ def load_for_serving(
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise LoadError(f"{path} is not a model folder: it has no config.json")
+        from moe_runtime.serve.model_source import config_link_problem
+
+        problem = config_link_problem(path / "config.json") or "it has no config.json"
+        raise LoadError(f"{path} is not a model folder: {problem}")
     if dtype not in (None, "auto") and model_dtype_name(dtype, default=None) is None:
         raise LoadError(f"unknown dtype {dtype!r}; choose one of auto, "
                         f"{', '.join(MODEL_DTYPES)}, half (float16) or float (float32)")

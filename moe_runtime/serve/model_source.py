@@ -12,6 +12,7 @@ Resolution order, for the value given to ``serve MODEL`` / ``--model`` / ``--tok
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -28,12 +29,46 @@ def _looks_like_a_path(spec: str) -> bool:
         os.sep != "/" and os.sep in spec)
 
 
+def config_link_problem(config: Path) -> str | None:
+    """Why ``config`` (a folder's config.json) cannot be read as a file although a name is there,
+    as ``moe-runtime check`` words it: a symbolic link loop, a link to nothing, a directory; or
+    ``None`` (a file, or no such name at all: "no config.json")."""
+    if config.is_file():
+        return None
+    if config.is_dir():
+        return f"{config} is a directory, not a file; accepted: config.json as a JSON file"
+    if not config.is_symlink():
+        return None
+    try:
+        with config.open("rb"):
+            pass
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # exists() is False for a loop as for a dangling link
+            return (f"{config} is a symbolic link loop (a link to {config.readlink()}: following "
+                    "the links never reaches a file); accepted: config.json as a file, or a link "
+                    "to one")
+        if not config.exists():
+            return (f"{config} is a link to {config.readlink()}, which does not exist; accepted: "
+                    "config.json as a file, or a link to one")
+        return f"{config} cannot be read ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def _require_config(folder: Path, shown: str, what: str) -> None:
+    config = folder / "config.json"
+    problem = config_link_problem(config)
+    if problem is not None:
+        raise SourceError(f"{what} {shown} is not a model folder: {problem}")
+    if not config.is_file():
+        raise SourceError(f"{what} {shown} is not a model folder: it has no config.json")
+
+
 def resolve_source(spec: str, *, what: str = "model", need_config: bool = True) -> Path:
     """The local folder for ``spec`` (see the module's resolution order)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        if need_config and not (path / "config.json").is_file():
-            raise SourceError(f"{what} {spec} is not a model folder: it has no config.json")
+        if need_config:
+            _require_config(path, spec, what)
         return path
     if path.exists():
         raise SourceError(f"{what} {spec} is a file; give a checkpoint folder or a Hugging Face "
@@ -61,6 +96,11 @@ def _cached_snapshot(repo: str, revision: str | None, *, what: str, need_config:
             f"{what} {shown}: not a local folder, and the Hugging Face hub id {shown!r} is not in "
             f"the local cache ({cache}); moe-runtime serve never downloads: fetch it first "
             f"(hf download {repo}) or give a local folder. ({type(exc).__name__})") from None
-    if need_config and not (folder / "config.json").is_file():
-        raise SourceError(f"{what} {repo}: the cached snapshot {folder} has no config.json")
+    if need_config:
+        problem = config_link_problem(folder / "config.json")
+        if problem is not None:
+            raise SourceError(f"{what} {repo}: the cached snapshot is not a model folder: "
+                              f"{problem}")
+        if not (folder / "config.json").is_file():
+            raise SourceError(f"{what} {repo}: the cached snapshot {folder} has no config.json")
     return folder

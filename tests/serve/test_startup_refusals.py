@@ -1,0 +1,78 @@
+"""Start-up refusals of ``moe-runtime serve`` for inputs that used to pass start-up and fail later
+(or fail naming the wrong thing): a ``--tokenizer`` with ids past the model's ``vocab_size``, a
+config.json that is a symbolic link loop, a chat template that does not compile, and a
+generation_config.json sampling default that is not a number. Each is exit status 1 with a
+one-line message naming the file or field and what is accepted, and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _serve(*argv, timeout=90):
+    return subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--port", "0",
+                           "--device", "cpu", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _error_line(r) -> str:
+    """The one line that says why the start was refused (no traceback around it)."""
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A tiny checkpoint of 256 tokens, without tokenizer files."""
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny256", arch="qwen3_moe",
+                                quant="bf16", vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt_512(tmp_path_factory) -> Path:
+    """A tiny checkpoint of 512 tokens (the tiny tokenizer's), without tokenizer files."""
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny512", arch="qwen3_moe",
+                                quant="bf16", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_512(tmp_path_factory) -> Path:
+    from moe_runtime.serve.tiny_tokenizer import save_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok") / "tok512"
+    assert save_tokenizer(folder, model_max_length=64) == 512
+    return folder
+
+
+# ------------------------------------------------------------------ 2. config.json link loop
+
+
+def test_a_config_json_that_is_a_symlink_loop_is_named_as_one(tmp_path):
+    folder = tmp_path / "looped"
+    folder.mkdir()
+    (folder / "config.json").symlink_to("other.json")
+    (folder / "other.json").symlink_to("config.json")
+    line = _error_line(_serve(str(folder)))
+    assert "config.json" in line and "symbolic link loop" in line
+    assert "no config.json" not in line
+
+
+def test_a_config_json_link_to_nothing_is_named_as_one(tmp_path):
+    from moe_runtime.serve.model_source import SourceError, resolve_source
+
+    folder = tmp_path / "dangling"
+    folder.mkdir()
+    (folder / "config.json").symlink_to("gone.json")
+    with pytest.raises(SourceError, match=r"link to gone\.json, which does not exist"):
+        resolve_source(str(folder))
