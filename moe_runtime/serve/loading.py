@@ -22,6 +22,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "spiece.model", "tokenizer_config.json")
 
 
+# what each of them may be, as the refusal of a value that is no number says
+_DEFAULT_ACCEPTED = {"temperature": "a number >= 0 (0: greedy)",
+                     "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1: no top-k)",
+                     "max_new_tokens": "an integer >= 1", "min_p": "a number in [0, 1]",
+                     "repetition_penalty": "a number > 0 (1: none)"}
+
+
 class LoadError(RuntimeError):
     """The checkpoint folder cannot be served; the message says why and names the file."""
 
@@ -196,8 +203,15 @@ def generation_defaults(folder: Path) -> dict:
     out = {}
     for key, field in SAMPLING_DEFAULTS.items():
         value = data.get(key) if isinstance(data, dict) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[field] = int(value) if key in ("top_k", "max_new_tokens") else float(value)
+        if value is None:  # absent or null: no default
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # a string ("hot", "0.7"), a bool, a list: every request would inherit it unread
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise LoadError(f"{file}: {key} is {shown}, not a number; accepted: "
+                            f"{_DEFAULT_ACCEPTED[key]}, or no {key} (fix the file, or serve with "
+                            "--generation-config vllm to ignore it)")
+        out[field] = int(value) if key in ("top_k", "max_new_tokens") else float(value)
     _check_sampling_defaults(file, out)
     return out
 

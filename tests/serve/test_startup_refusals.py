@@ -6,6 +6,7 @@ one-line message naming the file or field and what is accepted, and no traceback
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,31 @@ def test_a_config_json_link_to_nothing_is_named_as_one(tmp_path):
     (folder / "config.json").symlink_to("gone.json")
     with pytest.raises(SourceError, match=r"link to gone\.json, which does not exist"):
         resolve_source(str(folder))
+
+
+# ------------------------------------------------------------------ 4. non-numeric defaults
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"temperature": "hot"}, "temperature"), ({"top_p": True}, "top_p"),
+    ({"top_k": "20"}, "top_k"), ({"max_new_tokens": [5]}, "max_new_tokens"),
+    ({"min_p": {}}, "min_p"), ({"repetition_penalty": "1.1"}, "repetition_penalty")])
+def test_a_non_numeric_generation_default_is_refused(tmp_path, fields, named):
+    from moe_runtime.serve.loading import LoadError, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+    with pytest.raises(LoadError) as err:
+        generation_defaults(tmp_path)
+    message = str(err.value)
+    assert str(tmp_path / "generation_config.json") in message
+    assert f"{named} is {fields[named]!r}" in message and "not a number" in message
+    assert "--generation-config vllm" in message
+
+
+def test_a_null_generation_default_is_no_default(tmp_path):
+    from moe_runtime.serve.loading import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": None,
+                                                                 "top_p": 0.9}))
+    assert generation_defaults(tmp_path) == {"top_p": 0.9}
+
