@@ -132,6 +132,7 @@ def load_for_serving(
         _require_transformers_config(path)
         tok_dir = Path(tokenizer) if tokenizer is not None else path
         tokenizer = _load_tokenizer(AutoTokenizer, tok_dir, given=tokenizer is not None)
+        _require_tokenizer_fits(tokenizer, tok_dir, path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         bar = (lambda total, desc: tqdm(total=total, desc=f"Loading {path.name}", unit="tensor",
@@ -185,6 +186,54 @@ def _load_tokenizer(auto, folder: Path, *, given: bool):
                         f"{', '.join(present)}) encodes text to no tokens, so every prompt would "
                         f"be empty: {how}")
     return tokenizer
+
+
+def _require_tokenizer_fits(tokenizer, tok_dir: Path, model_dir: Path) -> None:
+    """Refuse a tokenizer with a token id past config.json's ``vocab_size`` (its size: the largest
+    id + 1, added tokens included), before any weight is read: ``--tokenizer`` of another model
+    started, then the first token failed in ``embed_tokens`` with "index out of range in self".
+    The ids are read as ``moe-runtime check`` reads the model folder's own tokenizer files (its
+    ``_tokenizer_json_ids`` / ``_added_tokens_decoder_ids``), and from the loaded tokenizer's
+    vocabulary for a tokenizer without those files (a SentencePiece model)."""
+    from moe_runtime.checkpoint.check import _added_tokens_decoder_ids, _tokenizer_json_ids
+    from moe_runtime.checkpoint.quant_config import read_json_file
+
+    file = model_dir / "config.json"
+    data, _ = read_json_file(file)
+    fields = data if isinstance(data, dict) else {}
+    where = ""
+    if isinstance(fields.get("text_config"), dict):  # as the check reads a wrapped config
+        fields, where = fields["text_config"], "text_config."
+    vocab = fields.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return  # the checkpoint check reports it, or transformers' default applies
+    found: list[tuple[int, str, Path]] = []
+    for name, ids in (("tokenizer.json", _tokenizer_json_ids),
+                      ("tokenizer_config.json", _added_tokens_decoder_ids)):
+        try:
+            data, problem = read_json_file(tok_dir / name)
+        except OSError:
+            continue  # absent (or unreadable: the tokenizer loaded without it)
+        if problem is None and isinstance(data, dict):
+            found += [(i, t, tok_dir / name) for i, t in ids(data)]
+    try:
+        found += [(i, t, tok_dir) for t, i in tokenizer.get_vocab().items()
+                  if isinstance(i, int)]
+    except Exception:  # noqa: BLE001 - a tokenizer class without get_vocab: the files decide
+        pass
+    if not found:
+        return
+    top, token, source = max(found, key=lambda f: f[0])
+    if top < vocab:
+        return
+    shown = token if len(token) <= 40 else token[:37] + "..."
+    raise LoadError(
+        f"the tokenizer {source} has {top + 1} tokens (its largest token id is {top}, "
+        f"{shown!r}, added tokens included), but {file}'s {where}vocab_size is {vocab}: the "
+        f"embeddings have no row for ids {vocab} to {top}, so a prompt or an answer with one "
+        f"fails (index out of range); accepted: a tokenizer of at most {vocab} tokens (ids "
+        f"below vocab_size {vocab}; this model's own, or pass --tokenizer with the tokenizer "
+        "this model was trained with)")
 
 
 def generation_defaults(folder: Path) -> dict:

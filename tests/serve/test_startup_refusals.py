@@ -56,6 +56,26 @@ def tokenizer_512(tmp_path_factory) -> Path:
     return folder
 
 
+# ------------------------------------------------------------------ 1. --tokenizer too large
+
+
+def test_a_tokenizer_with_ids_past_vocab_size_is_refused_naming_both_numbers(
+        tiny_ckpt, tokenizer_512):
+    line = _error_line(_serve(str(tiny_ckpt), "--tokenizer", str(tokenizer_512)))
+    assert str(tokenizer_512) in line
+    assert "512" in line and "vocab_size" in line and "256" in line
+    assert "index out of range in self" not in line
+
+
+def test_a_tokenizer_within_vocab_size_passes_the_size_check(tiny_ckpt_512, tokenizer_512):
+    from transformers import AutoTokenizer
+
+    from moe_runtime.serve.loading import _require_tokenizer_fits
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_512)
+    _require_tokenizer_fits(tok, tokenizer_512, tiny_ckpt_512)  # 512 tokens, vocab_size 512
+
+
 # ------------------------------------------------------------------ 2. config.json link loop
 
 
