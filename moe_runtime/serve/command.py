@@ -288,6 +288,7 @@ class ServeSource:
     tokenizer_dir: Path | None
     chat_template: str | None
     generation_config: str | Path | None
+    chat_template_origin: str | None = None  # "--chat-template FILE", as its refusal names it
 
 
 def resolve_serve_source(args: argparse.Namespace) -> ServeSource:
@@ -316,8 +317,12 @@ def resolve_serve_source(args: argparse.Namespace) -> ServeSource:
         is_folder = Path(spec).expanduser().is_dir()
         name = model_dir.name if is_folder else spec.partition("@")[0]
     template = chat_template_text(args.chat_template) if args.chat_template else None
+    origin = None
+    if template is not None:
+        origin = ("--chat-template (the inline template)" if template == args.chat_template
+                  else f"--chat-template {args.chat_template}")
     return ServeSource(model_dir, args.served_model_name or name, tokenizer_dir, template,
-                       None if gen in ("vllm", "none") else gen)
+                       None if gen in ("vllm", "none") else gen, origin)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -397,6 +402,7 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
             dtype=args.dtype, tuning_cache=args.tuning_cache,
             token_ranges=args.token_ranges,
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
+            chat_template_origin=source.chat_template_origin,
             generation_config=source.generation_config,
             # the command line's -p no:NAME and kin (moe-runtime serve); else the environment
             plugin_options=getattr(args, "plugin_options", None))

@@ -59,6 +59,7 @@ def load_for_serving(
     max_tokens_per_forward: int | None = None,
     tuning_cache: str | None = None,
     token_ranges: bool = False,
+    chat_template_origin: str | None = None,
 ):
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -72,8 +73,10 @@ def load_for_serving(
     runs transformers' own experts on dequantized weights (the baseline of benchmarks; no plan).
     ``dtype`` overrides the checkpoint's dtype (``None`` or ``"auto"``: the one in config.json).
     ``tokenizer`` is a folder to take the tokenizer from (default: ``model_dir``),
-    ``chat_template`` a Jinja template that replaces the tokenizer's; a tokenizer that turns text
-    into no tokens is refused before any weight is read. ``generation_config``: ``"auto"`` (the
+    ``chat_template`` a Jinja template that replaces the tokenizer's (``chat_template_origin``:
+    where it came from, as its refusal names it); a tokenizer that turns text into no tokens, has
+    token ids past ``vocab_size``, or whose chat template does not compile is refused before any
+    weight is read. ``generation_config``: ``"auto"`` (the
     model folder's generation_config.json), a folder holding one, or ``None`` (no sampling
     defaults). ``plugin_options`` (a :class:`~moe_runtime.plugin.manager.PluginOptions`, the
     command line's): how plugins load, for the plan and the model alike (default: the
@@ -135,6 +138,9 @@ def load_for_serving(
         _require_tokenizer_fits(tokenizer, tok_dir, path)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
+        _require_compilable_chat_template(
+            tokenizer, tok_dir,
+            None if chat_template is None else (chat_template_origin or "--chat-template"))
         bar = (lambda total, desc: tqdm(total=total, desc=f"Loading {path.name}", unit="tensor",
                                         disable=not progress))
         loaded = load_model(path, plan=plan, device=device,
@@ -234,6 +240,56 @@ def _require_tokenizer_fits(tokenizer, tok_dir: Path, model_dir: Path) -> None:
         f"fails (index out of range); accepted: a tokenizer of at most {vocab} tokens (ids "
         f"below vocab_size {vocab}; this model's own, or pass --tokenizer with the tokenizer "
         "this model was trained with)")
+
+
+def _require_compilable_chat_template(tokenizer, tok_dir: Path, origin: str | None) -> None:
+    """Compile the chat template(s) as ``apply_chat_template`` does (transformers' own Jinja
+    environment); one that does not compile is refused at start, naming its file, the Jinja error
+    and its line. It used to pass start-up, and every chat request then got a 400 blaming the
+    client's messages. ``origin``: where a ``--chat-template`` came from (``None``: the
+    tokenizer's own, from ``tok_dir``)."""
+    templates = tokenizer.chat_template
+    if not templates:
+        return  # none: a chat request is told so (use /v1/completions, or --chat-template)
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_
+    except ImportError:  # pragma: no cover - an older transformers: a sandbox of the same kind
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+
+        def compile_(text):
+            return env.from_string(text)
+    named = templates.items() if isinstance(templates, dict) else [(None, templates)]
+    for name, text in named:
+        if not isinstance(text, str):
+            continue
+        try:
+            compile_(text)
+        except jinja2.TemplateError as exc:
+            where = origin or _chat_template_file(tok_dir, name)
+            line = getattr(exc, "lineno", None)
+            at = f" at line {line} of the template" if line else ""
+            detail = " ".join(str(getattr(exc, "message", None) or exc).split()).rstrip(".")
+            raise LoadError(
+                f"the chat template{f' {name!r}' if name else ''} of {where} does not compile: "
+                f"{type(exc).__name__}{at}: {detail}; every chat request would fail on it. "
+                "Accepted: a Jinja template that compiles; fix it, or start with --chat-template "
+                "FILE to replace it (/v1/completions does not use it)") from None
+
+
+def _chat_template_file(tok_dir: Path, name: str | None) -> str:
+    """The file a tokenizer's chat template ``name`` is read from, as transformers reads them:
+    ``chat_template.jinja`` (or ``additional_chat_templates/NAME.jinja``) before
+    tokenizer_config.json's ``chat_template``."""
+    if name not in (None, "default") and (tok_dir / "additional_chat_templates"
+                                          / f"{name}.jinja").is_file():
+        return str(tok_dir / "additional_chat_templates" / f"{name}.jinja")
+    if name in (None, "default") and (tok_dir / "chat_template.jinja").is_file():
+        return str(tok_dir / "chat_template.jinja")
+    return f"{tok_dir / 'tokenizer_config.json'} (its chat_template)"
 
 
 def generation_defaults(folder: Path) -> dict:

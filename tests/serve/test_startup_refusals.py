@@ -99,6 +99,54 @@ def test_a_config_json_link_to_nothing_is_named_as_one(tmp_path):
         resolve_source(str(folder))
 
 
+# ------------------------------------------------------------------ 3. a broken chat template
+
+BROKEN = "{% for message in messages %}\n{{ message['content'] }\n{% endfor %}"
+
+
+@pytest.fixture()
+def chat_ckpt(tiny_ckpt_512, tokenizer_512, tmp_path) -> Path:
+    """The tiny checkpoint of 512 tokens with the 512-token tokenizer beside its weights."""
+    import shutil
+
+    folder = tmp_path / "chat"
+    shutil.copytree(tiny_ckpt_512, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_512 / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja",
+                                   "--chat-template"])
+def test_a_chat_template_that_does_not_compile_is_refused_at_start(chat_ckpt, tmp_path, where):
+    argv = []
+    if where == "tokenizer_config.json":
+        config = json.loads((chat_ckpt / where).read_text())
+        config["chat_template"] = BROKEN
+        (chat_ckpt / where).write_text(json.dumps(config))
+        named = str(chat_ckpt / where)
+    elif where == "chat_template.jinja":
+        (chat_ckpt / where).write_text(BROKEN)
+        named = str(chat_ckpt / where)
+    else:
+        (tmp_path / "broken.jinja").write_text(BROKEN)
+        argv = ["--chat-template", str(tmp_path / "broken.jinja")]
+        named = str(tmp_path / "broken.jinja")
+    line = _error_line(_serve(str(chat_ckpt), *argv))
+    assert named in line and "chat template" in line
+    assert "line 2" in line  # the Jinja error's line, in the template
+    assert "Loading" not in line
+
+
+def test_a_chat_template_that_compiles_passes(chat_ckpt):
+    from transformers import AutoTokenizer
+
+    from moe_runtime.serve.loading import _require_compilable_chat_template
+
+    tok = AutoTokenizer.from_pretrained(chat_ckpt)
+    _require_compilable_chat_template(tok, chat_ckpt, None)
+
+
 # ------------------------------------------------------------------ 4. non-numeric defaults
 
 
@@ -125,3 +173,8 @@ def test_a_null_generation_default_is_no_default(tmp_path):
                                                                  "top_p": 0.9}))
     assert generation_defaults(tmp_path) == {"top_p": 0.9}
 
+
+def test_a_string_temperature_stops_the_server_at_start(chat_ckpt):
+    (chat_ckpt / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    line = _error_line(_serve(str(chat_ckpt)))
+    assert "generation_config.json" in line and "temperature is 'hot'" in line
