@@ -10,7 +10,6 @@ build it. Nothing here concerns quantization.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from typing import Any
 

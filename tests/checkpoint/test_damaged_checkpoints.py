@@ -999,7 +999,7 @@ HAND_DAMAGES = [
     # scalars loading takes as one: passed the check, and serve's load stopped on them
     Damage("gate_and_up_weight_scale_2_differ", "qwen3_nvfp4",
            set_scalar(f"{EXPERT}.up_proj.weight_scale_2", 0.125), "scales",
-           [f"MoE layer model.layers.1.mlp.experts (nvfp4_w4a4", f"'{EXPERT}.up_proj."
+           ["MoE layer model.layers.1.mlp.experts (nvfp4_w4a4", f"'{EXPERT}.up_proj."
             f"weight_scale_2' is 0.125 but '{EXPERT}.gate_proj.weight_scale_2' is",
             "one fused GEMM", "loading refuses", "the same weight_scale_2"]),
     Damage("input_scale_differs_between_experts", "qwen3_fp8",
