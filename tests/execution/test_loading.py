@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_runtime.checkpoint import read_checkpoint
+from moe_runtime.checkpoint.check import CheckpointRefused
 from moe_runtime.checkpoint.tensors import CheckpointTensors, WeightError
 from moe_runtime.methods import load_expert_weights
 
@@ -241,6 +242,25 @@ def test_every_missing_dense_tensor_is_listed_before_anything_is_read(tiny_check
         return real_get(self, name, **kw)
 
     monkeypatch.setattr(CheckpointTensors, "get", counting_get)
+    # the check that opens load_model says it first (since 3ff9d46), naming the projection
+    with pytest.raises(CheckpointRefused, match=r"needs 'self_attn\.k_proj\.weight'.*in every "
+                                                r"decoder layer, but no layer stores it"):
+        load_model(bad, dtype="float32")
+    assert not reads, reads[:5]
+    # and the loader's own listing, for what a check does not cover: with the check's report
+    # taken as sound, loading still stops before reading any dense tensor
+    from moe_runtime.checkpoint import check
+
+    real_check = check.require_sound_checkpoint
+
+    def report_only(*args, **kwargs):
+        try:
+            return real_check(*args, **kwargs)
+        except CheckpointRefused as refused:
+            return refused.report
+
+    monkeypatch.setattr(check, "require_sound_checkpoint", report_only)
+    monkeypatch.setattr(check, "require_memory_for_plan", lambda report, plan: report)
     with pytest.raises(WeightError, match=rf"{len(gone)} tensor\(s\) of the model are missing "
                                           rf".*'{gone[0]}' \(looked for"):
         load_model(bad, dtype="float32")
