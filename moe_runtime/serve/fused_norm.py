@@ -49,15 +49,12 @@ def choose_fused_norms(requested: bool | None = None) -> bool:
     """Whether the engine enables :func:`enable`: ``requested`` when given, else
     ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on; unset or ``0`` off). Any other value of the variable
     is refused with the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch
+
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(FUSED_NORMS_ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{FUSED_NORMS_ENV}={value!r}: accepted values are 1 (RMSNorm in one "
-                     "kernel, CUDA with Triton) and 0 or unset (the model's own norms)")
+    return bool(env_switch(FUSED_NORMS_ENV, "1 (RMSNorm in one kernel, CUDA with Triton) or 0 "
+                                            "or unset (the model's own norms)"))
 
 
 def unavailable(device) -> str | None:

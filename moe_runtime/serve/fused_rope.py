@@ -23,7 +23,6 @@ run has measured it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -50,15 +49,12 @@ def choose_fused_rope(requested: bool | None = None) -> bool:
     """Whether the engine enables :func:`enable`: ``requested`` when given, else
     ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on; unset or ``0`` off). Any other value is refused with
     the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch
+
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(FUSED_ROPE_ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{FUSED_ROPE_ENV}={value!r}: accepted values are 1 (rotary embedding in "
-                     "one kernel per tensor, CUDA with Triton) and 0 or unset (the model's own)")
+    return bool(env_switch(FUSED_ROPE_ENV, "1 (rotary embedding in one kernel per tensor, CUDA "
+                                           "with Triton) or 0 or unset (the model's own)"))
 
 
 def _build():

@@ -112,7 +112,7 @@ def prefill_graph_bound(max_batch_tokens: int, batch_cap: int, cache_tokens: int
     return {"query": q, "kv": kv, "seqlen_k": keys, "graphs": len(q) * len(kv) * len(keys)}
 
 
-def _switch(name: str, expected: str) -> bool | None:
+def env_switch(name: str, expected: str) -> bool | None:
     """Environment variable ``name`` as a switch: ``1`` True, ``0`` False, unset (or empty)
     None; any other value a ValueError quoting it and ``expected``."""
     value = os.environ.get(name, "").strip()
@@ -127,7 +127,7 @@ def prefill_graphs_requested(requested: bool | None = None) -> bool:
     eagerly)."""
     if requested is not None:
         return bool(requested)
-    return _switch(PREFILL_ENV, "1 or unset (graph prefill steps, the default) or 0 (prefill "
+    return env_switch(PREFILL_ENV, "1 or unset (graph prefill steps, the default) or 0 (prefill "
                                 "steps run eagerly)") is not False
 
 
@@ -137,7 +137,7 @@ def async_batching_requested(requested: bool | None = None) -> bool | None:
     it before torch is imported."""
     if requested is not None:
         return bool(requested)
-    return _switch(ASYNC_ENV, "1 (prepare the next step while the current one runs on a CUDA "
+    return env_switch(ASYNC_ENV, "1 (prepare the next step while the current one runs on a CUDA "
                               "device), 0 or unset (one step at a time)")
 
 

@@ -34,7 +34,6 @@ many each. Where this torch has no ``out_dtype`` products the float32 path runs.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
@@ -53,15 +52,12 @@ def choose_gqa_attention(requested: bool | None = None) -> bool:
     """Whether the engine enables :func:`gqa_paged_attention`: ``requested`` when given, else
     ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off). Any other value of the variable
     is refused with the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch
+
     if requested is not None:
         return bool(requested)
-    value = os.environ.get(GQA_ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{GQA_ENV}={value!r}: accepted values are 1 (grouped-query attention for "
-                     "small continuous-batching steps) and 0 or unset (transformers' paged|sdpa)")
+    return bool(env_switch(GQA_ENV, "1 (grouped-query attention for small continuous-batching "
+                                    "steps) or 0 or unset (transformers' paged|sdpa)"))
 
 
 def install() -> bool:
