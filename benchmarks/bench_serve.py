@@ -383,19 +383,22 @@ class _Spans:
         return out
 
 
-def _gqa(args, side: str) -> bool:
-    """``--gqa-attention``: moe-runtime's side only; transformers alone keeps paged|sdpa."""
-    return bool(args.gqa_attention) and side == SIDES[0]
+def _gqa(args, side: str) -> bool | None:
+    """moe-runtime's side: on with ``--gqa-attention``, else the engine's default (on CUDA: on,
+    unless MOE_RUNTIME_GQA_ATTENTION=0); transformers alone always keeps paged|sdpa."""
+    return (True if args.gqa_attention else None) if side == SIDES[0] else False
 
 
-def _norms(args, side: str) -> bool:
-    """``--fused-norms``: moe-runtime's side only; transformers alone keeps its own norms."""
-    return bool(args.fused_norms) and side == SIDES[0]
+def _norms(args, side: str) -> bool | None:
+    """moe-runtime's side: on with ``--fused-norms``, else the engine's default (on CUDA: on,
+    unless MOE_RUNTIME_FUSED_NORMS=0); transformers alone always keeps its own norms."""
+    return (True if args.fused_norms else None) if side == SIDES[0] else False
 
 
-def _rope(args, side: str) -> bool:
-    """``--fused-rope``: moe-runtime's side only; transformers alone keeps its own."""
-    return bool(args.fused_rope) and side == SIDES[0]
+def _rope(args, side: str) -> bool | None:
+    """moe-runtime's side: on with ``--fused-rope``, else the engine's default (on CUDA: on,
+    unless MOE_RUNTIME_FUSED_ROPE=0); transformers alone always keeps its own."""
+    return (True if args.fused_rope else None) if side == SIDES[0] else False
 
 
 def _profile_side(loaded, prompts, args, clients: int, side: str = "") -> dict:
@@ -671,16 +674,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pin moe-runtime's experts backend (default: the planner's choice)")
     p.add_argument("--gqa-attention", action="store_true",
                    help="moe-runtime's side attends with moe_runtime/serve/paged_attention.py "
-                        "(no repeated keys) in continuous batching's small steps; transformers "
-                        "alone keeps its paged|sdpa (default: both keep it)")
+                        "(no repeated keys) in continuous batching's small steps, also off CUDA; "
+                        "transformers alone keeps its paged|sdpa (default: the engine's, on for "
+                        "CUDA; MOE_RUNTIME_GQA_ATTENTION=0 turns moe-runtime's off)")
     p.add_argument("--fused-norms", action="store_true",
                    help="moe-runtime's side runs the model's RMSNorm modules as one kernel each "
                         "(moe_runtime/serve/fused_norm.py, CUDA); transformers alone keeps its "
-                        "own norms (default: both keep them)")
+                        "own norms (default: the engine's, on for CUDA; "
+                        "MOE_RUNTIME_FUSED_NORMS=0 turns moe-runtime's off)")
     p.add_argument("--fused-rope", action="store_true",
                    help="moe-runtime's side runs the rotary embedding as one kernel for the "
                         "queries and one for the keys (moe_runtime/serve/fused_rope.py, CUDA; "
-                        "bit-identical); transformers alone keeps its own (default: both do)")
+                        "bit-identical); transformers alone keeps its own (default: the engine's, "
+                        "on for CUDA; MOE_RUNTIME_FUSED_ROPE=0 turns moe-runtime's off)")
     p.add_argument("--profile-clients", type=int, default=None, metavar="N",
                    help="also time one eager wave of N clients per side, step by step: "
                         "attention, MoE, rest of the forward, sampler, host loop")

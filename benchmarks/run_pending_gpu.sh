@@ -19,6 +19,12 @@
 #                                                # one kernel (MOE_RUNTIME_FUSED_NORMS, _ROPE);
 #                                                # ~10 min
 #                                                # (carry .gpu_carry/serve_whl)
+#   bash benchmarks/run_pending_gpu.sh defaults  # issue 15: the three kernels on by default on
+#                                                # CUDA: their GPU tests, then moe-runtime's
+#                                                # defaults and transformers alone, each in a
+#                                                # process of its own, in-process and HTTP
+#                                                # (openai client), 2 repetitions; ~9 min
+#                                                # (carry .gpu_carry/serve_whl)
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -148,8 +154,24 @@ gqa)
     step ours_off 80 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
         --out "$OUT/ours_off"
     ;;
+defaults)
+    # grouped-query attention, one-kernel norms and rotary on by default for a model on CUDA:
+    # the attention's bf16 test (padding rows of graphed steps left out of the comparison) and
+    # the engine's graph tests under the defaults, then both sides at 1/4/16/64 clients
+    wheels .gpu_carry/serve_whl
+    step gpu_tests 100 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_paged_attention.py tests/serve/test_engine_cuda_graphs.py
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    common=(--modes in-process,http --model /tmp/q30 --device cuda --clients 1,4,16,64
+            --prompt-len 128 --max-tokens 32 --repeats 2 --no-progress)
+    step ours_default 150 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
+        --out "$OUT/ours"
+    step theirs 250 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
+        --out "$OUT/theirs"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults" >&2
     exit 2
     ;;
 esac

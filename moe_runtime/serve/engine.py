@@ -242,10 +242,16 @@ class Engine:
         self.sampler.on_room = self._wake_room
         self.debug = debug
         # continuous batching's small steps attend without repeating keys (paged_attention.py)
-        self.gqa_attention = (choose_gqa_attention(gqa_attention)
+        # on a CUDA device all three are on unless turned off (measured: RESULTS.md)
+        self.gqa_attention = (choose_gqa_attention(gqa_attention, device)
                               and batching_choice.path == CONTINUOUS)
-        self.fused_norms = fused_norm.choose_fused_norms(fused_norms)
-        self.fused_rope = rope_kernel.choose_fused_rope(fused_rope)
+        self.fused_norms = fused_norm.choose_fused_norms(fused_norms, device)
+        self.fused_rope = rope_kernel.choose_fused_rope(fused_rope, device)
+        # a kernel asked for (argument or variable) that cannot run is a warning; one on by
+        # default that cannot run (no Triton, a probe refusing every module) is said at info
+        self._kernels_requested = {
+            "norms": fused_norm.choose_fused_norms(fused_norms, device=None),
+            "rope": rope_kernel.choose_fused_rope(fused_rope, device=None)}
         self._manager = None
         self._ready = False
 
@@ -285,7 +291,8 @@ class Engine:
                      count, fused_norm.FUSED_NORMS_ENV)
         else:
             self.fused_norms = False
-            log.warning("norms: the model's own (%s)",
+            (log.warning if self._kernels_requested["norms"] else log.info)(
+                "norms: the model's own (%s)",
                         why or "no module passed the fused kernel's probe")
 
     def _enable_fused_rope(self) -> None:
@@ -296,7 +303,8 @@ class Engine:
                      "turns it off)", rope_kernel.FUSED_ROPE_ENV)
         else:
             self.fused_rope = False
-            log.warning("rotary embedding: the model's own (%s)",
+            (log.warning if self._kernels_requested["rope"] else log.info)(
+                "rotary embedding: the model's own (%s)",
                         why or "no apply_rotary_pos_emb passed the fused kernel's probe")
 
     def _cache_batcher(self) -> CacheBatcher:

@@ -23,10 +23,10 @@ own forward gives, on a probe of random rows on the module's device, exactly the
 computed by torch (a norm that adds one to its weight, as Gemma's, or rounds once, as OLMo's,
 keeps its forward), and only where the fused kernel then matches the module's own forward on that
 probe within two units in the last place (1e-5 relative in float32). Nothing is chosen by a class
-name. The serving engine enables it when :func:`choose_fused_norms` says so:
-``MOE_RUNTIME_FUSED_NORMS=1`` (or the engine's ``fused_norms=True``) on a CUDA device with
-Triton; it is off by default until a GPU run has measured it (benchmarks/RESULTS.md, "Pending GPU
-runs"). The "transformers alone" side of ``benchmarks/bench_serve.py`` never takes it.
+name. The serving engine enables it when :func:`choose_fused_norms` says so: by default for a
+model on a CUDA device with Triton (measured faster: benchmarks/RESULTS.md, H100 2026-12-07
+05:28), ``MOE_RUNTIME_FUSED_NORMS=0`` (or the engine's ``fused_norms=False``) turning it off.
+The "transformers alone" side of ``benchmarks/bench_serve.py`` never takes it.
 """
 
 from __future__ import annotations
@@ -45,16 +45,19 @@ _kernel = None  # the Triton kernel, built on first use (triton is optional for 
 _ORIGINAL = "_moe_runtime_norm_forward"  # attribute holding a replaced module's bound forward
 
 
-def choose_fused_norms(requested: bool | None = None) -> bool:
+def choose_fused_norms(requested: bool | None = None, device=None) -> bool:
     """Whether the engine enables :func:`enable`: ``requested`` when given, else
-    ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on; unset or ``0`` off). Any other value of the variable
-    is refused with the accepted ones."""
-    from moe_runtime.serve.graph_shapes import env_switch
+    ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on, ``0`` off), else on where ``device`` is a CUDA device
+    (measured faster there: RESULTS.md, H100 2026-12-07 05:28) and off elsewhere. Any other
+    value of the variable is refused with the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch, on_cuda
 
     if requested is not None:
         return bool(requested)
-    return bool(env_switch(FUSED_NORMS_ENV, "1 (RMSNorm in one kernel, CUDA with Triton) or 0 "
-                                            "or unset (the model's own norms)"))
+    chosen = env_switch(FUSED_NORMS_ENV, "1 (RMSNorm in one kernel, CUDA with Triton) or 0 "
+                                         "(the model's own norms) or unset (on for a "
+                                         "model on CUDA)")
+    return on_cuda(device) if chosen is None else chosen
 
 
 def unavailable(device) -> str | None:

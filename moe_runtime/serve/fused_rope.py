@@ -15,9 +15,9 @@ another form, such as an interleaved rotation, keeps its place: nothing is chose
 The dispatcher runs the kernel only while a forward of an enabled model is under way (a forward
 pre-hook and hook on the model mark it, per thread), so another model in the process (the
 "transformers alone" side of ``benchmarks/bench_serve.py``) runs transformers' function. The
-serving engine enables it when :func:`choose_fused_rope` says so: ``MOE_RUNTIME_FUSED_ROPE=1``
-(or the engine's ``fused_rope=True``) on a CUDA device with Triton; off by default until a GPU
-run has measured it.
+serving engine enables it when :func:`choose_fused_rope` says so: by default for a model on a
+CUDA device with Triton (measured faster: benchmarks/RESULTS.md, H100 2026-12-07 05:28),
+``MOE_RUNTIME_FUSED_ROPE=0`` (or the engine's ``fused_rope=False``) turning it off.
 """
 
 from __future__ import annotations
@@ -45,16 +45,19 @@ _calls = {"fused": 0, "own": 0}
 __all__ = ["choose_fused_rope", "enable", "disable", "rotary", "reference", "unavailable"]
 
 
-def choose_fused_rope(requested: bool | None = None) -> bool:
+def choose_fused_rope(requested: bool | None = None, device=None) -> bool:
     """Whether the engine enables :func:`enable`: ``requested`` when given, else
-    ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on; unset or ``0`` off). Any other value is refused with
-    the accepted ones."""
-    from moe_runtime.serve.graph_shapes import env_switch
+    ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on, ``0`` off), else on where ``device`` is a CUDA device
+    (measured faster there: RESULTS.md, H100 2026-12-07 05:28) and off elsewhere. Any other
+    value is refused with the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch, on_cuda
 
     if requested is not None:
         return bool(requested)
-    return bool(env_switch(FUSED_ROPE_ENV, "1 (rotary embedding in one kernel per tensor, CUDA "
-                                           "with Triton) or 0 or unset (the model's own)"))
+    chosen = env_switch(FUSED_ROPE_ENV, "1 (rotary embedding in one kernel per tensor, CUDA "
+                                        "with Triton) or 0 (the model's own) or unset (on for "
+                                        "a model on CUDA)")
+    return on_cuda(device) if chosen is None else chosen
 
 
 def _build():

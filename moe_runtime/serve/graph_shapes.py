@@ -112,6 +112,12 @@ def prefill_graph_bound(max_batch_tokens: int, batch_cap: int, cache_tokens: int
     return {"query": q, "kv": kv, "seqlen_k": keys, "graphs": len(q) * len(kv) * len(keys)}
 
 
+def on_cuda(device) -> bool:
+    """Whether ``device`` (a torch.device, a string such as ``"cuda:0"``, or None) is a CUDA
+    device."""
+    return device is not None and str(device).split(":")[0] == "cuda"
+
+
 def env_switch(name: str, expected: str) -> bool | None:
     """Environment variable ``name`` as a switch: ``1`` True, ``0`` False, unset (or empty)
     None; any other value a ValueError quoting it and ``expected``."""

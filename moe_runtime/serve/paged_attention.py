@@ -18,8 +18,9 @@ decode and small mixed steps); larger steps (prefill) run transformers' own func
 module of a model passed to :func:`enable` takes this path, every other module (another model in
 the same process, the "transformers alone" side of ``benchmarks/bench_serve.py``) takes
 transformers' function. The serving engine enables it when :func:`choose_gqa_attention` says so:
-``MOE_RUNTIME_GQA_ATTENTION=1`` (or the engine's ``gqa_attention=True``) turns it on; it is off by
-default until a GPU run has measured it (RESULTS.md, "Pending GPU runs").
+by default for a model on a CUDA device (measured faster: RESULTS.md, H100 2026-12-07 05:28),
+``MOE_RUNTIME_GQA_ATTENTION=0`` (or the engine's ``gqa_attention=False``) turning it off, ``=1``
+turning it on elsewhere too.
 
 Numerics: the scores, softmax and weighted sum run in float32 from the cache's values; transformers'
 kernel rounds the probabilities to the model's dtype before the second product. Outputs agree to
@@ -48,16 +49,19 @@ _calls = {"gqa": 0, "transformers": 0}  # steps × layers each path took (tests 
 _tensor_core_ok: dict[str, bool] = {}  # device -> whether out_dtype products run there
 
 
-def choose_gqa_attention(requested: bool | None = None) -> bool:
+def choose_gqa_attention(requested: bool | None = None, device=None) -> bool:
     """Whether the engine enables :func:`gqa_paged_attention`: ``requested`` when given, else
-    ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off). Any other value of the variable
-    is refused with the accepted ones."""
-    from moe_runtime.serve.graph_shapes import env_switch
+    ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on, ``0`` off), else on where ``device`` is a CUDA
+    device (measured faster there: RESULTS.md, H100 2026-12-07 05:28) and off elsewhere. Any
+    other value of the variable is refused with the accepted ones."""
+    from moe_runtime.serve.graph_shapes import env_switch, on_cuda
 
     if requested is not None:
         return bool(requested)
-    return bool(env_switch(GQA_ENV, "1 (grouped-query attention for small continuous-batching "
-                                    "steps) or 0 or unset (transformers' paged|sdpa)"))
+    chosen = env_switch(GQA_ENV, "1 (grouped-query attention for small continuous-batching "
+                                 "steps) or 0 (transformers' paged|sdpa) or unset (on for a model "
+                                 "on CUDA)")
+    return on_cuda(device) if chosen is None else chosen
 
 
 def install() -> bool:

@@ -54,11 +54,19 @@ def _greedy(loaded, gqa: bool) -> list[list[int]]:
 def test_choice_reads_the_environment(monkeypatch):
     monkeypatch.delenv(paged_attention.GQA_ENV, raising=False)
     assert paged_attention.choose_gqa_attention() is False
+    # unset: on for a model on a CUDA device, off elsewhere; the variable and the argument win
+    assert paged_attention.choose_gqa_attention(device="cuda:0") is True
+    assert paged_attention.choose_gqa_attention(device=torch.device("cuda", 1)) is True
+    assert paged_attention.choose_gqa_attention(device="cpu") is False
+    assert paged_attention.choose_gqa_attention(False, device="cuda") is False
+    monkeypatch.setenv(paged_attention.GQA_ENV, "0")
+    assert paged_attention.choose_gqa_attention(device="cuda") is False
+    assert paged_attention.choose_gqa_attention(True, device="cpu") is True
     monkeypatch.setenv(paged_attention.GQA_ENV, "1")
     assert paged_attention.choose_gqa_attention() is True
     assert paged_attention.choose_gqa_attention(False) is False
     monkeypatch.setenv(paged_attention.GQA_ENV, "yes")
-    with pytest.raises(ValueError, match=r"MOE_RUNTIME_GQA_ATTENTION='yes'.*expected 1 .* or 0 or unset"):
+    with pytest.raises(ValueError, match=r"MOE_RUNTIME_GQA_ATTENTION='yes'.*expected 1 .* or 0 .* or unset"):
         paged_attention.choose_gqa_attention()
 
 
@@ -150,8 +158,17 @@ def test_gpu_bf16_calls_agree_with_transformers_on_the_same_cache(tmp_path, monk
         theirs, _ = paged_attention._original(module, query, key, value, attention_mask,
                                               dropout=dropout, scaling=scaling, **kwargs)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == torch.bfloat16
-        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
-        compared.append(query.shape[2])
+        # query rows that attend to no key are the padding of a graphed step (its query tokens
+        # padded to a captured size): their outputs are thrown away, and CUDA's SDPA kernels
+        # write zeros there where ours averages the values (on 2026-12-07 an H100 run of this
+        # test compared them too and failed on 252 of a 64-row step's 4096 values, theirs exactly zero:
+        # about four rows, as many as that step's padding)
+        mask = attention_mask[0, 0]
+        attends = (mask if mask.dtype == torch.bool
+                   else mask > torch.finfo(mask.dtype).min / 2).any(dim=-1)
+        assert attends.any() and torch.isfinite(ours).all()
+        torch.testing.assert_close(ours[:, attends], theirs[:, attends], rtol=2e-2, atol=2e-2)
+        compared.append(int(attends.sum()))
         return ours, None
 
     monkeypatch.setattr(paged_attention, "gqa_paged_attention", both)
