@@ -163,12 +163,15 @@ defaults)
         tests/serve/test_paged_attention.py tests/serve/test_engine_cuda_graphs.py
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    common=(--modes in-process,http --model /tmp/q30 --device cuda --clients 1,4,16,64
-            --prompt-len 128 --max-tokens 32 --repeats 2 --no-progress)
+    common=(--modes in-process,http --model /tmp/q30 --device cuda
+            --clients "${CLIENTS:-1,4,16,64}" --prompt-len 128 --max-tokens 32
+            --repeats "${REPEATS:-2}" --no-progress)
     step ours_default 150 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
         --out "$OUT/ours"
-    step theirs 250 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
-        --out "$OUT/theirs"
+    if [ "${SKIP_THEIRS:-0}" != 1 ]; then  # SKIP_THEIRS=1: moe-runtime's side only
+        step theirs 250 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
+            --out "$OUT/theirs"
+    fi
     ;;
 *)
     echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults" >&2
