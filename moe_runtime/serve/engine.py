@@ -145,18 +145,17 @@ class Engine:
     :param gqa_attention: ``True``: continuous batching's decode and small mixed steps attend
         with :func:`~moe_runtime.serve.paged_attention.gqa_paged_attention` (no keys repeated
         per query head, two batched products per layer) instead of transformers' ``paged|sdpa``;
-        ``None`` (default) reads ``MOE_RUNTIME_GQA_ATTENTION`` (``1`` on; unset or ``0`` off,
-        until a GPU run has measured it).
+        ``False`` keeps transformers'; ``None`` (default) reads ``MOE_RUNTIME_GQA_ATTENTION``
+        (``1`` on, ``0`` off; unset: on for a model on CUDA, measured faster there).
     :param fused_norms: ``True``: the model's RMSNorm modules run as one kernel each
         (:func:`~moe_runtime.serve.fused_norm.rms_norm`, CUDA with Triton; modules whose forward
         a probe does not prove to be that formula keep theirs); ``None`` (default) reads
-        ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on; unset or ``0`` off, until a GPU run has measured
-        it).
+        ``MOE_RUNTIME_FUSED_NORMS`` (``1`` on, ``0`` off; unset: on for a model on CUDA).
     :param fused_rope: ``True``: the model's rotary embedding runs as one kernel for the queries
         and one for the keys (:func:`~moe_runtime.serve.fused_rope.rotary`, bit-identical; CUDA
         with Triton; a function a probe does not prove to be that formula keeps its place);
-        ``None`` (default) reads ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on; unset or ``0`` off, until
-        a GPU run has measured it).
+        ``None`` (default) reads ``MOE_RUNTIME_FUSED_ROPE`` (``1`` on, ``0`` off; unset: on for
+        a model on CUDA).
     :param max_tokens_per_forward: the bound the model was loaded with
         (``load_for_serving(..., max_tokens_per_forward=)``), if any.
 
