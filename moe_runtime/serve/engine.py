@@ -249,6 +249,7 @@ class Engine:
         # a kernel asked for (argument or variable) that cannot run is a warning; one on by
         # default that cannot run (no Triton, a probe refusing every module) is said at info
         self._kernels_requested = {
+            "gqa": choose_gqa_attention(gqa_attention, device=None),
             "norms": fused_norm.choose_fused_norms(fused_norms, device=None),
             "rope": rope_kernel.choose_fused_rope(fused_rope, device=None)}
         self._manager = None
@@ -344,8 +345,9 @@ class Engine:
                          paged_attention.MAX_QUERIES, layers, paged_attention.GQA_ENV)
             else:
                 self.gqa_attention = False
-                log.warning("attention: this transformers has no paged|sdpa to wrap; "
-                            "its own attention runs")
+                (log.warning if self._kernels_requested["gqa"] else log.info)(
+                    "attention: this transformers has no paged|sdpa to wrap; its own attention "
+                    "runs")
         manager = self.loaded.model.init_continuous_batching(
             generation_config=gen, continuous_batching_config=cb)
         manager.logit_processor = processor_list(self.sampler)
