@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moe_runtime import formats as F
@@ -31,6 +29,10 @@ class TritonExperts(ExpertsBackend):
                 f"layer {self.setup.problem.name}: the triton backend got weights of "
                 f"{weights.num_experts} experts, expected the {expected} local experts")
         self.weights = ops.prepare_weights(weights, self.setup.runs_as)
+        # the configs by call shape, kept with this backend (a class-level lru_cache on the methods
+        # held every backend it had seen, with its layer's weights, after the model was deleted)
+        self._configs: dict = {}
+        self._masked_configs: dict = {}
         self._top_k = self.setup.problem.top_k
         # the TMA path's weight views the tuned table (or MOE_TRITON_TMA=1) will ask for, now:
         # never inside a CUDA graph capture
@@ -40,15 +42,22 @@ class TritonExperts(ExpertsBackend):
         # of the layer's 4-bit weights, so without an opt-in the memory is unchanged
         ops.prepare_w4a16_views(self.weights, self._top_k)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per layer, bounded by token counts
     def _config(self, n_tokens: int, top_k: int) -> dict:
-        pw = self.weights
-        return ops.get_config(pw.run_as, pw.num_experts, pw.hidden_size, pw.intermediate_size,
-                              top_k, n_tokens)
+        key = (n_tokens, top_k)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            pw = self.weights
+            cfg = ops.get_config(pw.run_as, pw.num_experts, pw.hidden_size, pw.intermediate_size,
+                                 top_k, n_tokens)
+            _bounded_put(self._configs, key, cfg, CONFIG_CACHE_SIZE)
+        return cfg
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - one backend per layer, bounded by batch shapes
     def _masked_config(self, max_tokens: int) -> dict:
-        return ops.masked_config(self.weights, max_tokens)
+        cfg = self._masked_configs.get(max_tokens)
+        if cfg is None:
+            cfg = ops.masked_config(self.weights, max_tokens)
+            _bounded_put(self._masked_configs, max_tokens, cfg, MASKED_CONFIG_CACHE_SIZE)
+        return cfg
 
     def forward(self, d: Dispatched) -> torch.Tensor:
         if d.layout not in (F.TOKEN_MAJOR, F.MASKED):
@@ -70,3 +79,14 @@ class TritonExperts(ExpertsBackend):
         return ops.fused_moe_prepared(d.hidden, ids, d.topk_weights, self.weights,
                                       hidden_scale=hidden_scale, out_dtype=d.out_dtype,
                                       config=cfg)
+
+
+CONFIG_CACHE_SIZE = 64  # call shapes (token count, top-k) one backend remembers the config of
+MASKED_CONFIG_CACHE_SIZE = 16  # masked batch heights likewise
+
+
+def _bounded_put(cache: dict, key, value, size: int) -> None:
+    """``cache[key] = value``, first dropping the oldest entry of a full ``cache``."""
+    if len(cache) >= size:
+        del cache[next(iter(cache))]
+    cache[key] = value

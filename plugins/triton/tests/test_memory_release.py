@@ -1,0 +1,39 @@
+"""Nothing of the plugin keeps a layer's weights alive once their owner lets them go: the
+backend's config caches are per backend (a class-level ``lru_cache`` on a method held every
+backend it had seen, and so every layer's prepared weights, after the model was deleted). CPU,
+no kernel launched."""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+from moe_runtime_triton import ops
+from moe_runtime_triton.backend import TritonExperts
+from test_kernels import make_weights
+
+
+def _backend(E, K, run_as):
+    be = TritonExperts.__new__(TritonExperts)  # the setup's checks are the planner's business
+    be.setup = types.SimpleNamespace(num_local_experts=E, runs_as=run_as,
+                                     problem=types.SimpleNamespace(name="l", top_k=K))
+    return be
+
+
+def test_a_backend_and_its_weights_are_freed_after_config_lookups(monkeypatch):
+    monkeypatch.setattr(ops, "TMA_MODE", "0")
+    E, H, I, K = 4, 64, 32, 2
+    w = make_weights("bf16", E, H, I, device="cpu", seed=1)
+    be = _backend(E, K, "bf16")
+    be.prepare(w)
+    cfg = be._config(16, K)
+    assert be._config(16, K) is cfg  # still cached per backend
+    be._config(1, K)
+    be._masked_config(8)
+    gone_backend, gone_w13 = weakref.ref(be), weakref.ref(be.weights.w13)
+    del be, w
+    gc.collect()
+    assert gone_backend() is None, "a cache keeps the backend (and its layer's weights) alive"
+    assert gone_w13() is None
+
