@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -737,11 +738,14 @@ def tma_config(pw: PreparedWeights, cfg: dict, n_tokens: int, topk: int) -> dict
 def tma_weights(pw: PreparedWeights, fused_gu: bool):
     """The TMA views of ``pw`` (``tma.TmaWeights``), built on first use and kept with ``pw``.
     ``fused_gu`` keeps an interleaved copy of ``w13`` (gate and up rows alternating): the memory of
-    ``w13`` once more, for as long as the weights live."""
+    ``w13`` once more, for as long as the weights live. The views kept with ``pw`` reach it through
+    a weak proxy (``pw`` -> views -> ``pw`` would be a cycle that reference counting never frees:
+    deleted weights and their views' copies stayed allocated until the cyclic collector ran), so
+    they are for use while ``pw`` is held (``tma.prepare_tma`` makes views that hold it)."""
     def build():
         from moe_runtime_triton import tma
 
-        return tma.prepare_tma(pw, fused_gu=fused_gu)
+        return tma.prepare_tma(weakref.proxy(pw), fused_gu=fused_gu)
 
     return _built_once(pw, pw.tma_views, fused_gu, build, "the TMA path's weight views",
                        "prepare_tma_views")

@@ -1,7 +1,9 @@
 """Nothing of the plugin keeps a layer's weights alive once their owner lets them go: the
 backend's config caches are per backend (a class-level ``lru_cache`` on a method held every
-backend it had seen, and so every layer's prepared weights, after the model was deleted). CPU,
-no kernel launched."""
+backend it had seen, and so every layer's prepared weights, after the model was deleted), and
+the TMA views kept with the prepared weights do not point back at them strongly (a reference
+cycle that only the cyclic collector frees: until then the views' interleaved copy stays
+allocated). CPU, no kernel launched."""
 
 from __future__ import annotations
 
@@ -9,9 +11,23 @@ import gc
 import types
 import weakref
 
+import pytest
 from moe_runtime_triton import ops
 from moe_runtime_triton.backend import TritonExperts
 from test_kernels import make_weights
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    """What plain reference counting frees (the cyclic collector off for the test)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _backend(E, K, run_as):
@@ -37,3 +53,13 @@ def test_a_backend_and_its_weights_are_freed_after_config_lookups(monkeypatch):
     assert gone_backend() is None, "a cache keeps the backend (and its layer's weights) alive"
     assert gone_w13() is None
 
+
+def test_tma_views_kept_with_the_weights_do_not_keep_them_alive(monkeypatch, no_cyclic_gc):
+    E, H, I = 4, 64, 32
+    pw = ops.prepare_weights(make_weights("bf16", E, H, I, device="cpu", seed=2))
+    tw = ops.tma_weights(pw, True)  # the interleaved copy of w13
+    assert ops.tma_weights(pw, True) is tw and tw.pw.num_experts == E
+    gone_pw, gone_copy = weakref.ref(pw), weakref.ref(tw.w13)
+    del pw, tw
+    assert gone_pw() is None, "the prepared weights wait for the cyclic collector"
+    assert gone_copy() is None
