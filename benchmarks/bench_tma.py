@@ -25,6 +25,7 @@ TTGIR holds wgmma (``warp_group_dot``) and TMA loads (``async_tma_copy``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -356,9 +357,11 @@ def run_rows(args) -> int:
                 B.log("   " + _row_line(rows[-1]))
                 _write(args, meta, rows)
             del tw, pw, w
+            gc.collect()  # what only the cyclic collector frees goes now, not at its next run
             if device == "cuda":
                 torch.cuda.empty_cache()
         del lw
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.time() - t_start, 1)
