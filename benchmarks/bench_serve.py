@@ -209,6 +209,9 @@ class _HttpServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+        if self.thread.is_alive():  # it holds the app, so the engine and the model, alive
+            print("warning: the bench's HTTP server thread did not stop within 30 s; its side's "
+                  "model stays in memory while it runs", file=sys.stderr, flush=True)
 
 
 def _summarize(wall: float, results: list[dict]) -> dict:
