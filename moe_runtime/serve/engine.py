@@ -292,8 +292,7 @@ class Engine:
         else:
             self.fused_norms = False
             (log.warning if self._kernels_requested["norms"] else log.info)(
-                "norms: the model's own (%s)",
-                        why or "no module passed the fused kernel's probe")
+                "norms: the model's own (%s)", why or "no module passed the fused kernel's probe")
 
     def _enable_fused_rope(self) -> None:
         why = fused_norm.unavailable(next(self.loaded.model.parameters()).device)
@@ -305,7 +304,7 @@ class Engine:
             self.fused_rope = False
             (log.warning if self._kernels_requested["rope"] else log.info)(
                 "rotary embedding: the model's own (%s)",
-                        why or "no apply_rotary_pos_emb passed the fused kernel's probe")
+                why or "no apply_rotary_pos_emb passed the fused kernel's probe")
 
     def _cache_batcher(self) -> CacheBatcher:
         batcher = CacheBatcher(self.loaded.model, self.sampler,

@@ -105,14 +105,6 @@ def test_probe_refuses_a_kernel_that_is_not_bit_identical(monkeypatch):
 def test_choice_reads_the_environment(monkeypatch):
     monkeypatch.delenv(fused_rope.FUSED_ROPE_ENV, raising=False)
     assert fused_rope.choose_fused_rope() is False
-    # unset: on for a model on a CUDA device, off elsewhere; the variable and the argument win
-    assert fused_rope.choose_fused_rope(device="cuda:0") is True
-    assert fused_rope.choose_fused_rope(device=torch.device("cuda", 1)) is True
-    assert fused_rope.choose_fused_rope(device="cpu") is False
-    assert fused_rope.choose_fused_rope(False, device="cuda") is False
-    monkeypatch.setenv(fused_rope.FUSED_ROPE_ENV, "0")
-    assert fused_rope.choose_fused_rope(device="cuda") is False
-    assert fused_rope.choose_fused_rope(True, device="cpu") is True
     monkeypatch.setenv(fused_rope.FUSED_ROPE_ENV, "1")
     assert fused_rope.choose_fused_rope() is True
     assert fused_rope.choose_fused_rope(False) is False

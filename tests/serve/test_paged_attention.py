@@ -54,14 +54,6 @@ def _greedy(loaded, gqa: bool) -> list[list[int]]:
 def test_choice_reads_the_environment(monkeypatch):
     monkeypatch.delenv(paged_attention.GQA_ENV, raising=False)
     assert paged_attention.choose_gqa_attention() is False
-    # unset: on for a model on a CUDA device, off elsewhere; the variable and the argument win
-    assert paged_attention.choose_gqa_attention(device="cuda:0") is True
-    assert paged_attention.choose_gqa_attention(device=torch.device("cuda", 1)) is True
-    assert paged_attention.choose_gqa_attention(device="cpu") is False
-    assert paged_attention.choose_gqa_attention(False, device="cuda") is False
-    monkeypatch.setenv(paged_attention.GQA_ENV, "0")
-    assert paged_attention.choose_gqa_attention(device="cuda") is False
-    assert paged_attention.choose_gqa_attention(True, device="cpu") is True
     monkeypatch.setenv(paged_attention.GQA_ENV, "1")
     assert paged_attention.choose_gqa_attention() is True
     assert paged_attention.choose_gqa_attention(False) is False
