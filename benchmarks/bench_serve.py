@@ -763,6 +763,7 @@ def main(argv=None) -> int:
 
     def free(side):
         import gc
+        import threading
 
         del loaded[side]
         gc.collect()
@@ -770,6 +771,11 @@ def main(argv=None) -> int:
             import torch
 
             torch.cuda.empty_cache()
+            left = torch.cuda.memory_allocated() / 2**30
+            info[side]["allocated_after_free_gib"] = left
+            # what a side still holds after it is freed (the 2026-12-07 01:26 run kept 47 GiB)
+            print(f"{side}: freed; {left:.2f} GiB still allocated; threads: "
+                  f"{[t.name for t in threading.enumerate()]}", flush=True)
 
     sequential = args.one_side_at_a_time and len(args.side_list) > 1
     for side in (args.side_list[:1] if sequential else args.side_list):

@@ -21,10 +21,12 @@
 #                                                # (carry .gpu_carry/serve_whl)
 #   bash benchmarks/run_pending_gpu.sh defaults  # issue 15: the three kernels on by default on
 #                                                # CUDA: their GPU tests, then moe-runtime's
-#                                                # defaults and transformers alone, each in a
-#                                                # process of its own, in-process and HTTP
-#                                                # (openai client), 2 repetitions; ~9 min
-#                                                # (carry .gpu_carry/serve_whl)
+#                                                # defaults, in-process and HTTP (openai
+#                                                # client), 2 repetitions, the 16-client step
+#                                                # profiles; ~8 min (carry .gpu_carry/serve_whl)
+#   bash benchmarks/run_pending_gpu.sh defaults_theirs  # issue 15: transformers alone and
+#                                                # moe-runtime's defaults one side at a time in
+#                                                # one process (memory release); ~9 min
 #
 # Each step has a timeout of its own, so one that hangs leaves the others' results.
 set -uo pipefail
@@ -157,7 +159,10 @@ gqa)
 defaults)
     # grouped-query attention, one-kernel norms and rotary on by default for a model on CUDA:
     # the attention's bf16 test (padding rows of graphed steps left out of the comparison) and
-    # the engine's graph tests under the defaults, then both sides at 1/4/16/64 clients
+    # the engine's graph tests under the defaults, then moe-runtime's side at 1/4/16/64 clients
+    # (in-process and HTTP) with the eager step split at 16 clients (its forward is the sum of the
+    # layers' forward times that issue 15 compares TPOT with), then the graphed step's kernels at
+    # 16 clients (profile_serve: attention on tensor cores). transformers alone: `defaults_theirs`
     wheels .gpu_carry/serve_whl
     step gpu_tests 100 python -m pytest -q -p no:cacheprovider -m gpu -rs \
         tests/serve/test_paged_attention.py tests/serve/test_engine_cuda_graphs.py
@@ -166,15 +171,30 @@ defaults)
     common=(--modes in-process,http --model /tmp/q30 --device cuda
             --clients "${CLIENTS:-1,4,16,64}" --prompt-len 128 --max-tokens 32
             --repeats "${REPEATS:-2}" --no-progress)
-    step ours_default 150 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
-        --out "$OUT/ours"
-    if [ "${SKIP_THEIRS:-0}" != 1 ]; then  # SKIP_THEIRS=1: moe-runtime's side only
+    step ours_default 190 python benchmarks/bench_serve.py --sides moe-runtime "${common[@]}" \
+        --profile-clients 16 --out "$OUT/ours"
+    step profile_serve 100 python benchmarks/profile_serve.py --model /tmp/q30 --clients 16 \
+        --graphs on --out "$OUT/prof"
+    if [ "${SKIP_THEIRS:-1}" != 1 ]; then  # SKIP_THEIRS=0: transformers alone too (~4 min more)
         step theirs 250 python benchmarks/bench_serve.py --sides transformers "${common[@]}" \
             --out "$OUT/theirs"
     fi
     ;;
+defaults_theirs)
+    # both sides in one process, one at a time (--one-side-at-a-time): transformers alone next to
+    # moe-runtime's defaults, and the check that freeing moe-runtime's side returns its memory
+    # (on 2026-12-07 01:26 the second side ran out of the 80 GB card; e7ca6d2 fixed the backend's
+    # class-level config cache that held the first side's weights, not yet run on a GPU)
+    wheels .gpu_carry/serve_whl
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    step both 440 python benchmarks/bench_serve.py --sides moe-runtime,transformers \
+        --one-side-at-a-time --modes in-process,http --model /tmp/q30 --device cuda \
+        --clients "${CLIENTS:-1,4,16,64}" --prompt-len 128 --max-tokens 32 \
+        --repeats "${REPEATS:-2}" --no-progress --out "$OUT/both"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs" >&2
     exit 2
     ;;
 esac
