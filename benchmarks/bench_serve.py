@@ -344,9 +344,9 @@ class _Spans:
             self.steps.append({"attention": [], "moe": [], "forward": [], "sampler": []})
             return self._rows_for(keys)
 
-        def sample(logits, rows):
+        def sample(logits, rows, *args, **kwargs):
             start = self._mark()
-            tokens = self._sample(logits, rows)
+            tokens = self._sample(logits, rows, *args, **kwargs)
             if self.steps:
                 self.steps[-1]["sampler"].append((start, self._mark()))
             return tokens

@@ -181,17 +181,21 @@ defaults)
     fi
     ;;
 defaults_theirs)
-    # both sides in one process, one at a time (--one-side-at-a-time): transformers alone next to
-    # moe-runtime's defaults, and the check that freeing moe-runtime's side returns its memory
-    # (on 2026-12-07 01:26 the second side ran out of the 80 GB card; e7ca6d2 fixed the backend's
-    # class-level config cache that held the first side's weights, not yet run on a GPU)
+    # the GPU tests of the failed-capture recovery (on 2026-12-07 08:20 one invalidated capture
+    # failed every later GPU test of the process), then both sides in one process, one at a time
+    # (--one-side-at-a-time): transformers alone next to moe-runtime's defaults, each with its
+    # eager 16-client step split, and the check that freeing moe-runtime's side returns its
+    # memory (on 2026-12-07 01:26 the second side ran out of the 80 GB card; e7ca6d2 fixed the
+    # backend's class-level config cache that held the first side's weights)
     wheels .gpu_carry/serve_whl
+    step gpu_tests 140 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_paged_attention.py tests/serve/test_engine_cuda_graphs.py
     step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
         --no-progress
-    step both 440 python benchmarks/bench_serve.py --sides moe-runtime,transformers \
+    step both 380 python benchmarks/bench_serve.py --sides moe-runtime,transformers \
         --one-side-at-a-time --modes in-process,http --model /tmp/q30 --device cuda \
         --clients "${CLIENTS:-1,4,16,64}" --prompt-len 128 --max-tokens 32 \
-        --repeats "${REPEATS:-2}" --no-progress --out "$OUT/both"
+        --repeats "${REPEATS:-1}" --profile-clients 16 --no-progress --out "$OUT/both"
     ;;
 *)
     echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs" >&2

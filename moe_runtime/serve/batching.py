@@ -159,7 +159,7 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
                        requested: bool | None = None, prefill: dict | None = None,
                        prefill_eager_because: str = "turned off by MOE_RUNTIME_GRAPH_PREFILL=0 "
                                                     "or the engine's graph_prefill=False",
-                       blockers: tuple[str, ...] = ()) -> GraphChoice:
+                       blockers: tuple[str, ...] = (), failed: str = "") -> GraphChoice:
     """CUDA graphs for decode: on for continuous batching on a CUDA device unless ``requested``
     is False; ``max_tokens`` (the decode batch, already capped by the plan) bounds the captures.
 
@@ -169,6 +169,7 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
     without it, ``prefill_eager_because`` says why they run eagerly (by default: turned off; the
     engine passes the capture failure when warm-up sent them back to eager). ``blockers``: experts
     backends of the plan that do not declare ``cuda_graphs=True``; any turns graphs off.
+    ``failed``: the error of a decode step's capture at warm-up; graphs are off then.
     """
     import torch
 
@@ -184,6 +185,9 @@ def choose_cuda_graphs(device: Any, path: str, max_tokens: int, bound_from: str,
         return GraphChoice(False, f"experts backend {', '.join(blockers)} of the plan does not "
                                   f"declare cuda_graphs=True (a forward that synchronizes with "
                                   f"the host cannot be captured), so decode runs eagerly")
+    if failed:
+        return GraphChoice(False, f"capturing a decode step failed at warm-up ({failed}), so "
+                                  f"every step runs eagerly")
     decode = (f"decode batches replayed from graphs captured per padded size (powers of two on "
               f"flash attention's decode path, else multiples of 8), at most {max_tokens} tokens "
               f"({bound_from})")

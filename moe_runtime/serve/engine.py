@@ -388,9 +388,14 @@ class Engine:
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
             if policy is not None and policy.capture_failures:
                 # transformers' warm-up logs and swallows a failed capture (the policy has sent
-                # prefill steps back to eager): the served steps would raise on it
+                # prefill steps, or every step, back to eager): the served steps would raise on it
                 eager_because = f"its capture failed at warm-up: {policy.capture_failures[0]}"
-            if self.batching.graphs.prefill and policy is not None and not policy.prefill:
+            if policy is not None and policy.decode_failed:
+                self.batching = attrs.evolve(self.batching, graphs=choose_cuda_graphs(
+                    *self._graph_args, failed=policy.decode_failed,
+                    blockers=self.loaded.graph_blockers))
+                log.info("batching: %s", self.batching.describe())
+            elif self.batching.graphs.prefill and policy is not None and not policy.prefill:
                 self.batching = attrs.evolve(self.batching, graphs=choose_cuda_graphs(
                     *self._graph_args, prefill_eager_because=eager_because,
                     blockers=self.loaded.graph_blockers))
@@ -757,18 +762,20 @@ class _GraphPolicy:
 
     def __init__(self, runner, io, prefill: bool) -> None:
         self.prefill = prefill
+        self.decode = True  # False once a decode step's capture failed: every step eager then
         self.capture_failures: list[str] = []
+        self.decode_failed = ""
         self._io = io
         choose = runner._get_forward_fn
 
         def get_forward_fn(use_block_table):
             forward, graphed = choose(use_block_table)
-            return forward, graph_this_step(graphed, self.decode_only(use_block_table),
-                                            self.prefill)
+            return forward, self.decode and graph_this_step(
+                graphed, self.decode_only(use_block_table), self.prefill)
 
         runner._get_forward_fn = get_forward_fn
         capture = getattr(runner, "_capture_graph", None)
-        if prefill and callable(capture):
+        if callable(capture):
             def capture_graph(forward_fn, *args, **kwargs):
                 # transformers runs the step eagerly first (its outputs are computed there),
                 # then captures it: count the eager runs that completed
@@ -778,15 +785,21 @@ class _GraphPolicy:
                     out = forward_fn(*a, **k)
                     completed.append(True)
                     return out
+                stream = _current_stream()
                 try:
                     return capture(tracked, *args, **kwargs)
                 except Exception as exc:
-                    if self.decode_only(getattr(io, "use_block_table", False)):
-                        raise
-                    self.capture_failures.append(f"{type(exc).__name__}: {exc}")
+                    recover_from_failed_capture(stream, getattr(runner, "graph_pool_id", None))
+                    decode = self.decode_only(getattr(io, "use_block_table", False))
+                    failure = f"{type(exc).__name__}: {exc}"
+                    self.capture_failures.append(failure)
                     self.prefill = False
-                    log.warning("CUDA graphs: capturing a prefill step failed (%s); prefill "
-                                "steps run eagerly from now on", self.capture_failures[-1])
+                    if decode:
+                        self.decode = False
+                        self.decode_failed = failure
+                    log.warning("CUDA graphs: capturing a %s step failed (%s); %s run eagerly "
+                                "from now on", "decode" if decode else "prefill", failure,
+                                "all steps" if decode else "prefill steps")
                     if not completed:
                         raise  # the step itself failed, not only its capture
                     # the eager run computed this step: it is served (transformers 5.17 stops
@@ -815,6 +828,49 @@ class _GraphPolicy:
                         "graphs steps as it chooses (%s ignored)", ", ".join(missing), PREFILL_ENV)
             return None
         return cls(runner, io, prefill)
+
+
+def _current_stream():
+    """The current CUDA stream, or None (no CUDA: a capture cannot have run)."""
+    try:
+        import torch
+
+        return torch.cuda.current_stream()
+    except Exception:
+        return None
+
+
+def recover_from_failed_capture(stream, pool) -> None:
+    """Undo what a failed CUDA-graph capture leaves behind in this process, so that eager steps
+    and later captures work (found on an H100, 2026-12-07: one invalidated capture made every
+    later capture fail with "beginAllocateToPool: already recording to mempool_id" and every
+    later CUDA random draw with "Offset increment outside graph capture encountered
+    unexpectedly", in the next engine too).
+
+    ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture`` before it ends the allocator's
+    recording to the graph's memory pool and before it takes the CUDA generators out of capture
+    mode, and ``torch.cuda.graph`` then skips restoring the caller's stream. Here: the pool's
+    recording is ended (nothing happens where capture_end got that far), a default generator
+    that refuses an eager draw gets a fresh copy of its own state (same seed and eager offset,
+    not capturing), and
+    ``stream`` (the stream current before the capture) is made current again. The pool's use
+    count taken by capture_begin is left as is: transformers' pool lives as long as its runner,
+    and releasing it twice would free memory under live graphs."""
+    import torch
+
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is not None and end is not None:
+        with contextlib.suppress(Exception):  # not recording: capture_end ended it
+            end(torch.cuda.current_device(), pool)
+    for gen in getattr(torch.cuda, "default_generators", ()) or ():
+        try:  # an eager draw fails only on a generator left in capture mode
+            torch.rand(1, device=gen.device, generator=gen)
+        except RuntimeError:  # graphs that captured the old state keep it
+            with contextlib.suppress(Exception):
+                gen.graphsafe_set_state(gen.clone_state())
 
 
 def _fatal_error(manager):

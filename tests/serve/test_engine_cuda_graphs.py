@@ -345,3 +345,64 @@ def test_gpu_grouped_query_attention_gives_transformers_greedy_tokens_graph_repl
     assert all(len(t) == 24 for t in tokens[False])
     assert tokens[True] == tokens[False]
     assert tokens[True, "seeded"] == tokens[False, "seeded"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs are "
+                                                            "captured only there)")
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_gpu_a_failed_capture_leaves_the_engine_and_the_process_serving(tmp_path, caplog, kind):
+    """A step whose capture fails (here: the model synchronizes with the host while a step of
+    that kind is captured) is served from transformers' eager run, later steps of that kind
+    (every step, for decode) run eagerly with eager's greedy tokens, and the process is left
+    usable: CUDA random draws work and the next engine captures and serves (on 2026-12-07 one
+    invalidated capture made every later capture and CUDA draw of the process fail)."""
+    import logging
+
+    from moe_runtime.serve.engine import Engine
+    from moe_runtime.serve.loading import load_for_serving
+
+    loaded = load_for_serving(_gpu_model(tmp_path), device="cuda", dtype="float32",
+                              progress=False)
+    batch = 8
+    failed = []
+
+    def sync_while_capturing(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens = ids.shape[-1] if ids is not None else 0
+        if torch.cuda.is_current_stream_capturing() and (tokens > batch) == (kind == "prefill"):
+            failed.append(tokens)
+            torch.cuda.synchronize()  # not allowed during a capture: it invalidates it
+
+    words = "the quick brown fox jumps over a lazy dog while it rains".split()
+    tokens = {}
+    for graphs in (False, None):
+        engine = Engine(loaded, max_batch_size=batch, max_model_len=256, cuda_graphs=graphs,
+                        batching="continuous", graph_prefill=True)
+        hook = loaded.model.register_forward_pre_hook(sync_while_capturing, with_kwargs=True)
+        try:
+            with caplog.at_level(logging.WARNING, logger="moe_runtime.serve"):
+                engine.start()
+                prompts = [engine.encode_prompt(" ".join(words[:1 + (5 * i) % len(words)]
+                                                         * (1 + i))) for i in range(6)]
+                tokens[graphs] = asyncio.run(_greedy_batch(engine, prompts, 16))
+                tokens[graphs, "again"] = asyncio.run(_greedy_batch(engine, prompts, 16))
+            assert engine.healthy
+        finally:
+            hook.remove()
+            engine.shutdown()
+    assert failed, f"no {kind} step was captured"
+    assert f"capturing a {kind} step failed" in caplog.text
+    assert all(len(t) == 16 for t in tokens[False])
+    assert tokens[None] == tokens[False] == tokens[None, "again"]
+    # the process: an eager CUDA draw, then a fresh engine that captures and serves
+    assert torch.randint(0, 10, (4,), device="cuda").shape == (4,)
+    engine = Engine(loaded, max_batch_size=batch, max_model_len=256, batching="continuous",
+                    graph_prefill=False)
+    engine.start()
+    try:
+        again = asyncio.run(_greedy_batch(engine, prompts, 16))
+        assert _captured(engine), "the next engine captured no graph"
+    finally:
+        engine.shutdown()
+    assert again == tokens[False]

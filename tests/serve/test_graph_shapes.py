@@ -263,9 +263,8 @@ def test_policy_on_graphs_prefill_steps_in_query_buckets(cpu_processor):
 def test_a_failed_prefill_capture_sends_prefill_back_to_eager(cpu_processor):
     """A prefill step whose capture fails after transformers' eager run of it (which computes
     its outputs) is served, and the policy runs later prefill steps eagerly rather than
-    failing each one (transformers 5.17 stops the batching loop on an error there); a step
-    that fails before its eager run completed raises; a failed decode capture raises and
-    changes nothing."""
+    failing each one (transformers 5.17 stops the batching loop on an error there); decode
+    steps keep their graphs."""
     runner = cpu_processor.model_runner
     ran = []
 
@@ -278,18 +277,47 @@ def test_a_failed_prefill_capture_sends_prefill_back_to_eager(cpu_processor):
 
     runner._capture_graph = capture_fails
     policy = _GraphPolicy.install(cpu_processor, prefill=True)
-    assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
-    with pytest.raises(RuntimeError):
-        runner._capture_graph(step, None, "decode")
-    assert policy.prefill and not policy.capture_failures
     assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is True
     assert runner._capture_graph(step, None, "prefill") is None  # served from the eager run
-    assert ran == [("decode",), ("prefill",)]
-    assert not policy.prefill
+    assert ran == [("prefill",)]
+    assert not policy.prefill and policy.decode and not policy.decode_failed
     assert policy.capture_failures == ["RuntimeError: operation not permitted when stream is "
                                        "capturing"]
     assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
     assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_a_failed_decode_capture_is_served_and_turns_every_graph_off(cpu_processor, prefill):
+    """A decode step whose capture fails is served from transformers' eager run of it, and
+    from then on no step replays or captures a graph (a decode batch that cannot be captured
+    would fail again at every size); with prefill graphing off as well as on."""
+    runner = cpu_processor.model_runner
+    ran = []
+
+    def capture_fails(forward_fn, stream, *args):
+        forward_fn(*args)
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    runner._capture_graph = capture_fails
+    policy = _GraphPolicy.install(cpu_processor, prefill=prefill)
+    assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is True
+    assert runner._capture_graph(lambda *a: ran.append(a), None, "decode") is None
+    assert ran == [("decode",)]
+    assert not policy.decode and not policy.prefill
+    assert "previous error during capture" in policy.decode_failed
+    assert _step(cpu_processor, (3, "DECODING", 1, 20))[0] is False
+    assert _step(cpu_processor, (1, "PREFILLING", 40, 0))[0] is False
+
+
+def test_graphs_report_a_failed_decode_capture():
+    """The batching description says graphs are off and why when a decode capture failed."""
+    from moe_runtime.serve.batching import CONTINUOUS, choose_cuda_graphs
+
+    choice = choose_cuda_graphs("cuda", CONTINUOUS, 64, "max_batch_size",
+                                failed="RuntimeError: boom")
+    assert not choice.on
+    assert "capturing a decode step failed at warm-up (RuntimeError: boom)" in choice.reason
 
 
 def test_a_prefill_step_that_fails_before_its_eager_run_completes_raises(cpu_processor):

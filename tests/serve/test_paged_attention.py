@@ -73,6 +73,12 @@ def test_each_call_equals_transformers_on_the_same_cache(loaded, monkeypatch):
         # reads the same slots back, so transformers' function may run after ours on one cache
         ours, _ = gqa(module, query, key, value, attention_mask, dropout=dropout,
                       scaling=scaling, **kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # a capture records and computes nothing, and the checks below synchronize with the
+            # host, which invalidates the capture (on 2026-12-07 that failed this test and, the
+            # failed capture not cleaned up then, every later GPU test of the process);
+            # transformers computes the same step eagerly just before
+            return ours, None
         theirs, _ = paged_attention._original(module, query, key, value, attention_mask,
                                               dropout=dropout, scaling=scaling, **kwargs)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -147,6 +153,12 @@ def test_gpu_bf16_calls_agree_with_transformers_on_the_same_cache(tmp_path, monk
     def both(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         ours, _ = gqa(module, query, key, value, attention_mask, dropout=dropout,
                       scaling=scaling, **kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # a capture records and computes nothing, and the checks below synchronize with the
+            # host, which invalidates the capture (on 2026-12-07 that failed this test and, the
+            # failed capture not cleaned up then, every later GPU test of the process);
+            # transformers computes the same step eagerly just before
+            return ours, None
         theirs, _ = paged_attention._original(module, query, key, value, attention_mask,
                                               dropout=dropout, scaling=scaling, **kwargs)
         assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == torch.bfloat16
