@@ -8,8 +8,10 @@ incremental detokenization.
   process (no HTTP: the engine's numbers).
 - ``http``: the same engine behind the server's ASGI app (:func:`moe_runtime.serve.app.create_app`,
   uvicorn on a loopback port, in a thread of this process), ``N`` concurrent clients of the official
-  ``openai`` client streaming ``/v1/completions`` (TTFT: the first streamed chunk; the client
-  shares the process, and so the GIL, with the server).
+  ``openai`` client streaming ``/v1/completions`` (TTFT: the first streamed chunk). The clients
+  run in a process of their own, as real clients do (``--http-clients thread`` runs them in this
+  process, where their parsing of every streamed chunk shares the GIL with the server and the
+  engine's host loop).
 
 Two sides, on the same checkpoint, in the same process:
 
@@ -178,6 +180,42 @@ async def _http_wave(url: str, model: str, prompts, *, clients: int, per_client:
     return wall, results
 
 
+def _http_wave_sync(url: str, model: str, prompts, clients: int, per_client: int,
+                    max_tokens: int):
+    """:func:`_http_wave` for a client process (no progress bar there)."""
+    return asyncio.run(_http_wave(url, model, prompts, clients=clients, per_client=per_client,
+                                  max_tokens=max_tokens))
+
+
+class _Clients:
+    """Where the HTTP clients run: ``process`` (one spawned process for every wave of a side's
+    engine, so that the clients' work does not share this process's GIL with the server and the
+    engine) or ``thread`` (this process's event loop)."""
+
+    def __init__(self, where: str) -> None:
+        self._pool = None
+        if where == "process":
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def wave(self, url: str, model: str, prompts, *, clients: int, per_client: int,
+             max_tokens: int, bar=None):
+        if self._pool is None:
+            return asyncio.run(_http_wave(url, model, prompts, clients=clients,
+                                          per_client=per_client, max_tokens=max_tokens, bar=bar))
+        wall, results = self._pool.submit(_http_wave_sync, url, model, list(prompts), clients,
+                                          per_client, max_tokens).result()
+        if bar is not None:
+            bar.update(len(results))
+        return wall, results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
 class _HttpServer:
     """The server's ASGI app around a started engine, on a loopback port, in a thread."""
 
@@ -293,16 +331,18 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
                 _log_level(args, side, "in-process", c, out["in-process"][c][0])
         if "http" in args.mode_list:
             http = _HttpServer(engine, "bench")
+            clients = _Clients(args.http_clients)
             try:
                 for c in (levels if warm_levels else levels[-1:]):
-                    asyncio.run(_http_wave(http.url, "bench", prompts, clients=c, **warm))
+                    clients.wave(http.url, "bench", prompts, clients=c, **warm)
                 out["http"] = {}
                 for c in levels:
-                    wall, results = asyncio.run(_http_wave(http.url, "bench", prompts,
-                                                           clients=c, **measured))
+                    wall, results = clients.wave(http.url, "bench", prompts, clients=c,
+                                                 **measured)
                     out["http"][c] = (_summarize(wall, results), results)
                     _log_level(args, side, "http", c, out["http"][c][0])
             finally:
+                clients.close()
                 http.close()
     finally:
         after = _memory()
@@ -521,7 +561,11 @@ def render_markdown(report: dict) -> str:
         f"client sends {work['requests_per_client']} request(s) back to back; engine max batch "
         f"{work['max_batch_size']}; {work['repeats']} repetition(s), "
         f"{'one side at a time' if report.get('one_side_at_a_time') else 'sides alternating'}; "
-        f"req/s and tok/s are medians over repetitions, TTFT/TPOT over all measured requests.",
+        f"req/s and tok/s are medians over repetitions, TTFT/TPOT over all measured requests"
+        + ("; HTTP clients in a process of their own"
+           if work.get("http_clients", "thread") == "process" and "http" in work.get("modes", ())
+           else "; HTTP clients in the server's process" if "http" in work.get("modes", ())
+           else "") + ".",
         "",
     ]
     for side in report["sides"]:
@@ -671,6 +715,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"in-process (the engine), http (the server with the openai client); "
                         f"default {','.join(MODES)}")
+    p.add_argument("--http-clients", choices=("process", "thread"), default="process",
+                   help="where the http mode's openai clients run: a process of their own "
+                        "(default, as real clients), or a thread of the server's process "
+                        "(their work then shares its GIL with the server and the engine)")
     p.add_argument("--sides", default=",".join(SIDES),
                    help=f"which sides to run (default {','.join(SIDES)})")
     p.add_argument("--moe-runner-backend", default=None, metavar="NAME",
@@ -847,7 +895,7 @@ def main(argv=None) -> int:
         "workload": {"clients": levels, "prompt_len": args.prompt_len,
                      "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
                      "requests_per_client": args.requests_per_client, "repeats": args.repeats,
-                     "modes": args.mode_list,
+                     "modes": args.mode_list, "http_clients": args.http_clients,
                      "max_batch_size": args.max_batch_size, "dtype": args.dtype,
                      "moe_runner_backend": args.moe_runner_backend},
         "sides": args.side_list,
