@@ -3,7 +3,7 @@ backend's config caches are per backend (a class-level ``lru_cache`` on a method
 backend it had seen, and so every layer's prepared weights, after the model was deleted), and
 the TMA views kept with the prepared weights do not point back at them strongly (a reference
 cycle that only the cyclic collector frees: until then the views' interleaved copy stays
-allocated). CPU, no kernel launched."""
+allocated). No kernel launched (the TMA views on the GPU where there is one)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import types
 import weakref
 
 import pytest
+import torch
 from moe_runtime_triton import ops
 from moe_runtime_triton.backend import TritonExperts
 from test_kernels import make_weights
@@ -56,7 +57,10 @@ def test_a_backend_and_its_weights_are_freed_after_config_lookups(monkeypatch):
 
 def test_tma_views_kept_with_the_weights_do_not_keep_them_alive(monkeypatch, no_cyclic_gc):
     E, H, I = 4, 64, 32
-    pw = ops.prepare_weights(make_weights("bf16", E, H, I, device="cpu", seed=2))
+    # on a CUDA machine without the interpreter, CPU weights are prepared as float32, which
+    # has no TMA path (the 2026-12-07 H100 run of this test): the views are made on the GPU
+    device = "cuda" if torch.cuda.is_available() and not ops.INTERPRET else "cpu"
+    pw = ops.prepare_weights(make_weights("bf16", E, H, I, device=device, seed=2))
     tw = ops.tma_weights(pw, True)  # the interleaved copy of w13
     assert ops.tma_weights(pw, True) is tw and tw.pw.num_experts == E
     gone_pw, gone_copy = weakref.ref(pw), weakref.ref(tw.w13)
