@@ -523,7 +523,9 @@ class Engine:
                        ignore_eos: bool = False, include_stop_str: bool = False,
                        skip_special_tokens: bool = True,
                        _probe: bool = False) -> AsyncIterator[Delta]:
-        """Stream one request's deltas; the last one has a ``finish_reason``.
+        """Stream one request's deltas, one for each new token (its text empty while the
+        detokenizer holds an incomplete character or a possible stop string back); the last one
+        has a ``finish_reason``.
 
         The request ends at the model's EOS tokens (unless ``ignore_eos``), at any of
         ``stop_token_ids``, at a ``stop`` string (cut before it, or after it with
@@ -563,7 +565,7 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, tuple(stop), include_stop=include_stop_str,
                                            skip_special_tokens=skip_special_tokens)
             first_token_s = None
-            seen = 0
+            seen = yielded = 0
             manager.register_result_handler(request_id, outputs.put_nowait)
             submitted = True
             added = manager.add_request(list(prompt_ids), request_id=request_id,
@@ -602,7 +604,11 @@ class Engine:
                         ignore_eos or tokens[-1] not in self.eos_token_ids) else None
                     yield Delta(text, tokens, reason, first_token_s, logprobs, by)
                     return
-                if text:
+                # a delta for every new token, its text empty while the detokenizer holds an
+                # incomplete character or a possible stop string back (as vLLM streams): a
+                # stream's first chunk is its first token, whatever the text
+                if text or len(tokens) > yielded:
+                    yielded = len(tokens)
                     yield Delta(text, tokens, None, first_token_s, logprobs)
         finally:
             self._held.pop(request_id, None)
