@@ -791,11 +791,14 @@ class _GraphPolicy:
                     out = forward_fn(*a, **k)
                     completed.append(True)
                     return out
-                stream = _current_stream()
+                # transformers' signature: (forward_fn, compute_stream, *step arguments)
+                device = getattr(args[0], "device", None) if args else None
+                stream = _current_stream(device)
                 try:
                     return capture(tracked, *args, **kwargs)
                 except Exception as exc:
-                    recover_from_failed_capture(stream, getattr(runner, "graph_pool_id", None))
+                    recover_from_failed_capture(stream, getattr(runner, "graph_pool_id", None),
+                                                device)
                     decode = self.decode_only(getattr(io, "use_block_table", False))
                     failure = f"{type(exc).__name__}: {exc}"
                     self.capture_failures.append(failure)
@@ -836,17 +839,18 @@ class _GraphPolicy:
         return cls(runner, io, prefill)
 
 
-def _current_stream():
-    """The current CUDA stream, or None (no CUDA: a capture cannot have run)."""
+def _current_stream(device=None):
+    """The current CUDA stream of ``device`` (default: the current device), or None (no CUDA:
+    a capture cannot have run)."""
     try:
         import torch
 
-        return torch.cuda.current_stream()
+        return torch.cuda.current_stream(device)
     except Exception:
         return None
 
 
-def recover_from_failed_capture(stream, pool) -> None:
+def recover_from_failed_capture(stream, pool, device=None) -> None:
     """Undo what a failed CUDA-graph capture leaves behind in this process, so that eager steps
     and later captures work (found on an H100, 2026-12-07: one invalidated capture made every
     later capture fail with "beginAllocateToPool: already recording to mempool_id" and every
@@ -856,10 +860,10 @@ def recover_from_failed_capture(stream, pool) -> None:
     ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture`` before it ends the allocator's
     recording to the graph's memory pool and before it takes the CUDA generators out of capture
     mode, and ``torch.cuda.graph`` then skips restoring the caller's stream. Here: the pool's
-    recording is ended (nothing happens where capture_end got that far), a default generator
-    that refuses an eager draw gets a fresh copy of its own state (same seed and eager offset,
-    not capturing), and
-    ``stream`` (the stream current before the capture) is made current again. The pool's use
+    recording is ended (nothing happens where capture_end got that far), the default generator
+    of ``device`` (the capture's; default: the current device), if it refuses an eager draw,
+    gets a fresh copy of its own state (same seed and eager offset, not capturing), and
+    ``stream`` (that device's stream before the capture) is made current again. The pool's use
     count taken by capture_begin is left as is: transformers' pool lives as long as its runner,
     and releasing it twice would free memory under live graphs."""
     import torch
@@ -867,16 +871,24 @@ def recover_from_failed_capture(stream, pool) -> None:
     if stream is not None:
         with contextlib.suppress(Exception):
             torch.cuda.set_stream(stream)
+    try:
+        index = torch.device(device).index if device is not None else None
+        index = torch.cuda.current_device() if index is None else index
+    except Exception:
+        return
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if pool is not None and end is not None:
         with contextlib.suppress(Exception):  # not recording: capture_end ended it
-            end(torch.cuda.current_device(), pool)
-    for gen in getattr(torch.cuda, "default_generators", ()) or ():
-        try:  # an eager draw fails only on a generator left in capture mode
-            torch.rand(1, device=gen.device, generator=gen)
-        except RuntimeError:  # graphs that captured the old state keep it
-            with contextlib.suppress(Exception):
-                gen.graphsafe_set_state(gen.clone_state())
+            end(index, pool)
+    try:  # the capture's device only: a draw on another would make a context there
+        gen = torch.cuda.default_generators[index]
+    except Exception:
+        return
+    try:  # an eager draw fails only on a generator left in capture mode
+        torch.rand(1, device=gen.device, generator=gen)
+    except RuntimeError:  # graphs that captured the old state keep it
+        with contextlib.suppress(Exception):
+            gen.graphsafe_set_state(gen.clone_state())
 
 
 def _fatal_error(manager):
