@@ -252,9 +252,18 @@ class _HttpServer:
                   "model stays in memory while it runs", file=sys.stderr, flush=True)
 
 
-def _summarize(wall: float, results: list[dict]) -> dict:
+def _captured(engine, before: dict) -> dict:
+    """CUDA graphs captured during a measured wave (its steps of shapes warm-up did not reach:
+    each one a capture stall inside the measurement), and their seconds."""
+    now = engine.graph_captures
+    return {"graphs": now["serving"] - before["serving"],
+            "seconds": now["serving_s"] - before["serving_s"]}
+
+
+def _summarize(wall: float, results: list[dict], captured: dict | None = None) -> dict:
     tokens = sum(r["tokens"] for r in results)
     return {
+        "captured": captured or {"graphs": 0, "seconds": 0.0},
         "wall_s": wall,
         "requests": len(results),
         "output_tokens": tokens,
@@ -285,7 +294,9 @@ def _log_level(args, side: str, mode: str, clients: int, summary: dict) -> None:
             "ttft_p50_ms": round((_median([t for t in summary["ttft_s"] if t is not None])
                                   or 0) * 1e3, 2),
             "tpot_p50_ms": round((_median(tpot) or 0) * 1e3, 2),
-            "tpot_p90_ms": round((_percentile(tpot, 0.9) or 0) * 1e3, 2)}
+            "tpot_p90_ms": round((_percentile(tpot, 0.9) or 0) * 1e3, 2),
+            "graphs_captured": summary["captured"]["graphs"],
+            "capture_s": round(summary["captured"]["seconds"], 3)}
     text = json.dumps(line)
     print(text, flush=True)
     out = Path(args.out)
@@ -326,8 +337,10 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
                 asyncio.run(_wave(engine, prompts, clients=c, **warm))
             out["in-process"] = {}
             for c in levels:
+                before_wave = engine.graph_captures
                 wall, results = asyncio.run(_wave(engine, prompts, clients=c, **measured))
-                out["in-process"][c] = (_summarize(wall, results), results)
+                out["in-process"][c] = (_summarize(wall, results, _captured(engine, before_wave)),
+                                        results)
                 _log_level(args, side, "in-process", c, out["in-process"][c][0])
         if "http" in args.mode_list:
             http = _HttpServer(engine, "bench")
@@ -337,9 +350,11 @@ def _run_side(loaded, prompts, args, levels, *, warm_levels: bool, bar, side: st
                     clients.wave(http.url, "bench", prompts, clients=c, **warm)
                 out["http"] = {}
                 for c in levels:
+                    before_wave = engine.graph_captures
                     wall, results = clients.wave(http.url, "bench", prompts, clients=c,
                                                  **measured)
-                    out["http"][c] = (_summarize(wall, results), results)
+                    out["http"][c] = (_summarize(wall, results,
+                                                 _captured(engine, before_wave)), results)
                     _log_level(args, side, "http", c, out["http"][c][0])
             finally:
                 clients.close()
@@ -578,8 +593,9 @@ def render_markdown(report: dict) -> str:
                      f"{mem}; {s.get('graphs', '')}; attention: {s.get('attention')}; "
                      f"norms: {s.get('norms')}; rotary embedding: {s.get('rope')}.")
     lines += ["", "| mode | clients | side | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) "
-              "| TPOT p50 (ms) | TPOT p90 (ms) | tok/s vs transformers |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| TPOT p50 (ms) | TPOT p90 (ms) | tok/s vs transformers | graphs captured in "
+              "the waves (s) |",
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     agg = report["results"]
     for mode in work["modes"]:
         for c in work["clients"]:
@@ -593,7 +609,8 @@ def render_markdown(report: dict) -> str:
                     f"| {mode} | {c} | {side} | {_fmt(a['req_per_s'], digits=2)} | "
                     f"{_fmt(a['out_tok_per_s'])} | {_fmt(a['ttft_p50_s'], 1e3)} | "
                     f"{_fmt(a['ttft_p90_s'], 1e3)} | {_fmt(a['tpot_p50_s'], 1e3)} | "
-                    f"{_fmt(a['tpot_p90_s'], 1e3)} | {ratio} |")
+                    f"{_fmt(a['tpot_p90_s'], 1e3)} | {ratio} | "
+                    f"{a.get('graphs_captured', 0)} ({a.get('capture_s', 0.0):.2f}) |")
     prof = report.get("profile") or {}
     if prof:
         c = next(iter(prof.values()))["clients"]
@@ -881,6 +898,9 @@ def main(argv=None) -> int:
                     "tpot_p50_s": _median(tpot),
                     "tpot_p90_s": _percentile(tpot, 0.9),
                     "latency_p50_s": _median([x for r in reps for x in r["latency_s"]]),
+                    # graphs captured inside the measured waves (all repetitions), seconds
+                    "graphs_captured": sum(r["captured"]["graphs"] for r in reps),
+                    "capture_s": sum(r["captured"]["seconds"] for r in reps),
                     "tokens_per_request": sorted({n for r in reps
                                                   for n in r["tokens_per_request"]}),
                     "repetitions": [{k: v for k, v in r.items()} for r in reps],

@@ -253,7 +253,19 @@ class Engine:
             "norms": fused_norm.choose_fused_norms(fused_norms, device=None),
             "rope": rope_kernel.choose_fused_rope(fused_rope, device=None)}
         self._manager = None
+        self._graph_policy: _GraphPolicy | None = None
         self._ready = False
+
+    @property
+    def graph_captures(self) -> dict:
+        """CUDA graphs captured at warm-up and while serving, and the seconds their captures
+        took: ``{"warmup": n, "serving": n, "warmup_s": s, "serving_s": s}`` (zeros where no
+        step replays graphs). A capture while serving is a step shape warm-up did not reach: its
+        batch waits for it once (docs/serve.md, "CUDA graphs")."""
+        p = self._graph_policy
+        if p is None:
+            return {"warmup": 0, "serving": 0, "warmup_s": 0.0, "serving_s": 0.0}
+        return {**p.captures, **{f"{k}_s": v for k, v in p.capture_seconds.items()}}
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -384,6 +396,9 @@ class Engine:
             # captures the decode sizes of flash attention's decode path, and (prefill graphed)
             # the largest varlen step first, so the graph pool is sized once
             manager.warmup()
+            if policy is not None:
+                policy.serving = True
+                self._graph_policy = policy
             self.sampler.forget_steps()  # warm-up forwards are never delivered
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
             if policy is not None and policy.capture_failures:
@@ -771,6 +786,11 @@ class _GraphPolicy:
         self.decode = True  # False once a decode step's capture failed: every step eager then
         self.capture_failures: list[str] = []
         self.decode_failed = ""
+        # graphs captured, and the seconds their captures took (the step's eager run included),
+        # at warm-up and while serving: a step shape first seen while serving stalls its batch
+        self.captures = {"warmup": 0, "serving": 0}
+        self.capture_seconds = {"warmup": 0.0, "serving": 0.0}
+        self.serving = False  # set once the engine's warm-up is done
         self._io = io
         choose = runner._get_forward_fn
 
@@ -794,8 +814,9 @@ class _GraphPolicy:
                 # transformers' signature: (forward_fn, compute_stream, *step arguments)
                 device = getattr(args[0], "device", None) if args else None
                 stream = _current_stream(device)
+                started = time.perf_counter()
                 try:
-                    return capture(tracked, *args, **kwargs)
+                    result = capture(tracked, *args, **kwargs)
                 except Exception as exc:
                     recover_from_failed_capture(stream, getattr(runner, "graph_pool_id", None),
                                                 device)
@@ -814,8 +835,23 @@ class _GraphPolicy:
                     # the eager run computed this step: it is served (transformers 5.17 stops
                     # the whole batching loop on an error raised here)
                     return None
+                self._count_capture(time.perf_counter() - started,
+                                    self.decode_only(getattr(io, "use_block_table", False)))
+                return result
 
             runner._capture_graph = capture_graph
+
+    def _count_capture(self, seconds: float, decode: bool) -> None:
+        phase = "serving" if self.serving else "warmup"
+        self.captures[phase] += 1
+        self.capture_seconds[phase] += seconds
+        if self.serving:
+            io = _host_io(self._io)
+            log.info("CUDA graphs: captured a %s step shape first seen while serving (%d query "
+                     "tokens, %d requests) in %.0f ms; %d captured while serving, %.1f s in all",
+                     "decode" if decode else "prefill", getattr(io, "total_seqlen_q", -1),
+                     getattr(io, "num_request_in_batch", -1), seconds * 1e3,
+                     self.captures["serving"], self.capture_seconds["serving"])
 
     def decode_only(self, use_block_table: bool) -> bool:
         io = _host_io(self._io)

@@ -16,12 +16,36 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                       0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class _GraphCaptureCollector:
+    """``moe_runtime_cuda_graph_captures_total`` and ``..._capture_seconds_total`` by phase
+    (``warmup``, ``serving``), read from the engine at each scrape: a capture while serving is a
+    step shape that warm-up did not reach, and its batch waited for it."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        counts = getattr(self._engine, "graph_captures", None) or {}
+        captures = CounterMetricFamily(
+            "moe_runtime_cuda_graph_captures", "CUDA graphs captured, by phase (warmup: at "
+            "start-up; serving: a step shape first seen while serving)", labels=["phase"])
+        seconds = CounterMetricFamily(
+            "moe_runtime_cuda_graph_capture_seconds", "seconds spent capturing CUDA graphs "
+            "(each step's eager run included), by phase", labels=["phase"])
+        for phase in ("warmup", "serving"):
+            captures.add_metric([phase], counts.get(phase, 0))
+            seconds.add_metric([phase], counts.get(f"{phase}_s", 0.0))
+        yield captures
+        yield seconds
 
 
 class ServerMetrics:
@@ -124,6 +148,7 @@ class ServerMetrics:
         graphs = getattr(engine.batching, "graphs", None)
         if graphs is not None:
             self.describe_graphs(graphs)
+        self.registry.register(_GraphCaptureCollector(engine))
         label = {"model_name": self.model_name}
         self.running.labels(**label).set_function(lambda: engine.num_running)
         self.waiting.labels(**label).set_function(lambda: engine.num_waiting)

@@ -113,3 +113,34 @@ def test_the_cuda_graphs_gauge_shows_the_capture_bound_when_on():
                 if f.name == "moe_runtime_decode_cuda_graphs"]
     assert [(s.value, s.labels) for s in family.samples] == [
         (1.0, {"max_tokens": "48", "reason": "decode replayed"})]
+
+
+def test_graph_captures_are_scraped_by_phase(http):
+    """On a CPU server no step replays a graph: both phases read 0 captures and 0 seconds."""
+    m = _metrics(http)
+    for name in ("moe_runtime_cuda_graph_captures", "moe_runtime_cuda_graph_capture_seconds"):
+        family = m[name]
+        assert family.type == "counter"
+        assert {s.labels["phase"]: s.value for s in family.samples
+                if s.name == name + "_total"} == {"warmup": 0, "serving": 0}
+
+
+def test_graph_captures_read_the_engine_at_each_scrape():
+    from moe_runtime.serve.metrics import ServerMetrics, _GraphCaptureCollector
+
+    class Engine:  # only what the collector reads
+        graph_captures = {"warmup": 12, "serving": 0, "warmup_s": 3.5, "serving_s": 0.0}
+
+    metrics = ServerMetrics(model_name="m")
+    engine = Engine()
+    metrics.registry.register(_GraphCaptureCollector(engine))
+
+    def read():
+        fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+        return ({s.labels["phase"]: s.value for s in fams["moe_runtime_cuda_graph_captures"].samples
+                 if s.name.endswith("_total")},
+                _value(fams["moe_runtime_cuda_graph_capture_seconds"], "_total", phase="serving"))
+
+    assert read() == ({"warmup": 12, "serving": 0}, 0.0)
+    engine.graph_captures = {"warmup": 12, "serving": 2, "warmup_s": 3.5, "serving_s": 0.75}
+    assert read() == ({"warmup": 12, "serving": 2}, 0.75)

@@ -3,6 +3,9 @@ opted in, prefill steps replay graphs too, their query tokens padded to geometri
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
@@ -332,3 +335,40 @@ def test_a_prefill_step_that_fails_before_its_eager_run_completes_raises(cpu_pro
     with pytest.raises(ValueError, match="the forward itself failed"):
         runner._capture_graph(step, None)
     assert not policy.prefill and policy.capture_failures
+
+
+def test_captures_are_counted_apart_at_warm_up_and_while_serving(cpu_processor, caplog):
+    """Every successful capture is counted with its time, at warm-up and (once the engine set
+    ``serving``) while serving, where each one is logged with the step's shape: a shape that
+    warm-up did not reach stalls its batch once, and the server's log says so. A failed
+    capture is not counted as a graph."""
+    runner = cpu_processor.model_runner
+
+    def capture(forward_fn, stream, *args):
+        forward_fn(*args)
+        return "graph"
+
+    runner._capture_graph = capture
+    policy = _GraphPolicy.install(cpu_processor, prefill=True)
+    _step(cpu_processor, (3, "DECODING", 1, 20))
+    assert runner._capture_graph(lambda *a: None, None) == "graph"
+    assert policy.captures == {"warmup": 1, "serving": 0}
+    policy.serving = True
+    _step(cpu_processor, (1, "PREFILLING", 40, 0))
+    with caplog.at_level(logging.INFO, logger="moe_runtime.serve"):
+        assert runner._capture_graph(lambda *a: time.sleep(0.02), None) == "graph"
+    assert policy.captures == {"warmup": 1, "serving": 1}
+    assert policy.capture_seconds["serving"] >= 0.02
+    line = next(r.getMessage() for r in caplog.records if "first seen while serving" in r.getMessage())
+    assert "prefill step shape" in line and "1 captured while serving" in line
+
+    def capture_fails(forward_fn, stream, *args):
+        forward_fn(*args)
+        raise RuntimeError("capture failed")
+
+    runner._capture_graph = capture_fails
+    policy = _GraphPolicy.install(cpu_processor, prefill=True)
+    policy.serving = True
+    _step(cpu_processor, (1, "PREFILLING", 40, 0))
+    assert runner._capture_graph(lambda *a: None, None) is None
+    assert policy.captures == {"warmup": 0, "serving": 0}
