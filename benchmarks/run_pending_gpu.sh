@@ -24,6 +24,8 @@
 #                                                # defaults, in-process and HTTP (openai
 #                                                # client), 2 repetitions, the 16-client step
 #                                                # profiles; ~8 min (carry .gpu_carry/serve_whl)
+#   bash benchmarks/run_pending_gpu.sh batch16   # issue 15: captures inside the measured waves
+#                                                # at an engine max batch of 16; ~5 min
 #   bash benchmarks/run_pending_gpu.sh defaults_theirs  # issue 15: transformers alone and
 #                                                # moe-runtime's defaults one side at a time in
 #                                                # one process (memory release); ~9 min
@@ -200,8 +202,25 @@ defaults_theirs)
         --clients "${CLIENTS:-1,4,16,64}" --prompt-len 128 --max-tokens 32 \
         --repeats "${REPEATS:-1}" --profile-clients 16 --no-progress --out "$OUT/both"
     ;;
+batch16)
+    # the 16-client row at an engine max batch of 16 (419.8 tok/s on an H100 on 2026-12-07,
+    # against 950.2 at max batch 64): the failed-capture GPU tests of b093bc5 (the cleanup on
+    # the capture's device only), then moe-runtime's side at 1 and 16 clients (max batch 16)
+    # with the graphs captured inside each measured wave counted (b9e90e0), with bench_serve's
+    # warm-up waves of 4 tokens and then of the measured 32
+    wheels .gpu_carry/serve_whl
+    step gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_engine_cuda_graphs.py -k failed_capture
+    step checkpoint 60 python benchmarks/make_bench_checkpoint.py /tmp/q30 --preset qwen3-30b-a3b \
+        --no-progress
+    common=(--sides moe-runtime --modes in-process --model /tmp/q30 --device cuda --clients 1,16
+            --prompt-len 128 --max-tokens 32 --repeats 2 --no-progress)
+    step warm4 130 python benchmarks/bench_serve.py "${common[@]}" --out "$OUT/warm4"
+    step warm32 130 python benchmarks/bench_serve.py "${common[@]}" --warmup-tokens 32 \
+        --out "$OUT/warm32"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs|batch16" >&2
     exit 2
     ;;
 esac
