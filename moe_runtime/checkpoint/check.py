@@ -28,7 +28,9 @@ The rules, in the order they run (a rule is skipped when what it reads failed be
    (its head size derived as the architecture's attention derives it:
    :meth:`~moe_runtime.checkpoint.architectures.Architecture.attention_tensors`);
 7. every scale tensor is finite and positive: one vectorized pass over the scales' bytes (never
-   the weights), timed;
+   the weights), timed; every per-tensor scale keeps what it scales finite in float32
+   (``weight_scale_2`` times NVFP4's largest value, 6 x 448; ``weight_scale``/``input_scale``
+   times FP8's 448);
 8. the memory serving needs (:mod:`moe_runtime.checkpoint.memory`) fits the machine: the
    experts at their format's storage, or, for a plan (:meth:`CheckReport.with_plan`, the
    ``plan`` argument), at the bytes per weight each layer's planned backend holds after
@@ -379,6 +381,7 @@ class _Check:
         if tensors_ok:
             self.check_scales()
             self.check_shared_scales(layers)
+            self.check_scale_range()
         if self.config is not None and structure is not None and (
                 spec is not None or not layers):
             kwargs = {"batch_size": batch_size, "context_tokens": context_tokens,
@@ -983,10 +986,16 @@ class _Check:
         containers = tuple(layer.name + "." for layer in layers)
         usual = ("weight", "e_score_correction_bias", *self._READ_BESIDE_WEIGHT,
                  *self._RECOMPUTED)
-        if not any(not name.startswith(containers) and (
-                name.rpartition(".")[2] not in usual
-                or not (name.startswith(prefix) or name.startswith("lm_head.")))
-                for name in self.tensors):
+
+        def usual_name(name: str) -> bool:  # a plain weight (or scale) of a module of the
+            module, _, leaf = name.rpartition(".")  # usual naming: the fast path may skip it
+            if leaf not in usual:
+                return False
+            if module == "lm_head":
+                return True
+            return module.startswith(prefix) and bool(_USUAL_MODULE.match(module[len(prefix):]))
+
+        if all(name.startswith(containers) or usual_name(name) for name in self.tensors):
             return
         try:
             import torch
@@ -1639,6 +1648,62 @@ class _Check:
                              f"one {label} input_scale shared by every expert of the layer (as "
                              "ModelOpt exports it: the largest over the experts)")
 
+
+    def check_scale_range(self) -> None:
+        """Every per-tensor (one float32 value) scale small enough that what it scales stays
+        finite in float32, where kernels accumulate: ``weight_scale_2`` times the largest value
+        an NVFP4 block reaches before it (E2M1's 6 times E4M3's 448), ``weight_scale`` and
+        ``input_scale`` times E4M3's 448. A scale past that passed the finite-and-positive rule
+        and served NaN (found by an audit, 2026-12-07: ``weight_scale_2`` of 1e38 on one
+        expert)."""
+        import numpy as np
+
+        maps: dict[str, Any] = {}
+        over: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        for name, meta in self.tensors.items():
+            leaf = name.rsplit(".", 1)[-1]
+            reach = _SCALE_REACH.get(leaf)
+            where = self.ranges.get(name)
+            if reach is None or meta.dtype != "F32" or where is None or where[2] - where[1] != 4:
+                continue
+            file, start, end = where
+            if file not in maps:
+                try:
+                    maps[file] = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
+                except (OSError, ValueError):
+                    maps[file] = None
+            if maps[file] is None:
+                continue
+            v = float(np.frombuffer(maps[file][start:end].tobytes(), dtype="<f4")[0])
+            if math.isfinite(v) and v > 0 and v * reach[0] > _F32_MAX:
+                over[leaf].append((name, v))
+        for leaf, found in over.items():
+            name, v = found[0]
+            reach, what = _SCALE_REACH[leaf]
+            self.add("scales", str(self.folder / self.tensors[name].file),
+                     f"scale tensor {name!r} is {v:.6g}" + _more(len(found) - 1, "tensor")
+                     + f": {what} times it reaches {v * reach:.3g}, beyond float32's "
+                     f"{_F32_MAX:.4g}, so the layer's outputs are infinite or NaN",
+                     f"a {leaf} of at most {_F32_MAX / reach:.3g} (ModelOpt exports the tensor's "
+                     f"largest magnitude divided by {reach:g}: weights and activations of real "
+                     "models give scales far below 1)")
+
+
+# modules (under the model's prefix) of the served families' usual naming: a tensor of any other
+# module makes the check build the model (on the meta device) to see whether loading reads it
+_USUAL_MODULE = re.compile(
+    r"^(?:embed_tokens|norm|layers\.\d+\.(?:input_layernorm|post_attention_layernorm|"
+    r"self_attn\.(?:q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|q_a_proj|q_a_layernorm|q_b_proj|"
+    r"kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)|(?:mlp|block_sparse_moe)\.(?:gate|gate_proj|"
+    r"up_proj|down_proj|shared_expert_gate|shared_experts?\.(?:gate_proj|up_proj|down_proj))))$")
+
+# largest magnitude a per-tensor scale multiplies (code x block scale), and its description
+_SCALE_REACH = {
+    "weight_scale_2": (6.0 * 448.0, "the largest NVFP4 value before it (E2M1's 6 x E4M3's 448)"),
+    "weight_scale": (448.0, "the largest FP8 (E4M3) value, 448,"),
+    "input_scale": (448.0, "the largest FP8 (E4M3) value, 448,"),
+}
+_F32_MAX = 3.4028234663852886e38
 
 # ----------------------------------------------------------------------------- small helpers
 

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -118,6 +119,23 @@ def _check_content_type(request: Request) -> None:
                         "application/*+json, with any parameters such as '; charset=utf-8'), or "
                         "no Content-Type header", param="Content-Type",
                    code="unsupported_content_type")
+
+
+LOGPROB_FLOOR = -9999.0  # what vLLM answers for a log-probability of -inf (JSON has no inf)
+
+
+def _json_logprob(value: float | None, token: int) -> float | None:
+    """A log-probability as JSON can carry it: -inf (a token the model gives no probability) as
+    :data:`LOGPROB_FLOOR`; NaN or +inf (the model's outputs are not finite) an
+    :class:`EngineError`, which the request answers as a server error (it was a 500 "Out of
+    range float values are not JSON compliant" with a traceback in the log)."""
+    if value is None or math.isfinite(value):
+        return value
+    if value == -math.inf:
+        return LOGPROB_FLOOR
+    raise EngineError(f"the model's log-probability of token {token} is {value}: its outputs "
+                      "are not finite for this request (its weights or scales overflow or hold "
+                      "NaN), so the tokens mean nothing")
 
 
 def _error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
@@ -391,9 +409,13 @@ class _Server:
             else:
                 choice["text"] = job.echo + text
             if job.sampling.logprobs is not None:
-                choice["logprobs"] = self._logprobs(last.logprobs, chat=chat,
-                                                    offset=len(job.echo),
-                                                    prefix=job.echo_logprobs)
+                try:
+                    choice["logprobs"] = self._logprobs(last.logprobs, chat=chat,
+                                                        offset=len(job.echo),
+                                                        prefix=job.echo_logprobs)
+                except EngineError as exc:
+                    raise APIError(500, f"generation failed: {exc}", type="server_error",
+                                   code="non_finite_output") from None
             if req.return_token_ids:
                 choice["token_ids"] = list(last.token_ids)
             choices.append(choice)
@@ -437,7 +459,8 @@ class _Server:
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 text = self._text_of(token)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                return {"token": text, "logprob": _json_logprob(logprob, token),
+                        "bytes": list(text.encode())}
 
             return {"content": [{**entry(r.token, r.logprob),
                                  "top_logprobs": [entry(t, lp) for t, lp in r.top]}
@@ -450,8 +473,9 @@ class _Server:
             offsets.append(at)
             tokens.append(self._text_of(token))
             at += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if top is None else {self._text_of(t): v for t, v in top}
+        return {"tokens": tokens, "token_logprobs": [_json_logprob(lp, t) for t, lp, _ in entries],
+                "top_logprobs": [None if top is None else {self._text_of(t): _json_logprob(v, t)
+                                                           for t, v in top}
                                  for _, _, top in entries],
                 "text_offset": offsets}
 

@@ -432,7 +432,7 @@ class Engine:
         def run() -> None:  # on a thread of its own: the caller may be inside an event loop
             try:
                 result["delta"] = asyncio.run(asyncio.wait_for(self.complete(
-                    prompt, max_tokens=1, sampling=SamplingParams(temperature=0.0),
+                    prompt, max_tokens=1, sampling=SamplingParams(temperature=0.0, logprobs=0),
                     request_id=f"readiness-probe-{uuid.uuid4().hex}", _probe=True), timeout))
             except asyncio.TimeoutError:
                 result["failure"] = f"no token within {timeout} s"
@@ -449,6 +449,10 @@ class Engine:
             failure = "it returned no token"
         if failure is not None:
             raise ReadinessError(self._readiness_message(failure, trace.failing_module()))
+        records = result["delta"].logprobs
+        if records and not math.isfinite(records[0].logprob):
+            raise ReadinessError(self._non_finite_message(records[0].logprob,
+                                                          trace.first_non_finite()))
         self._ready = True
         return time.perf_counter() - start
 
@@ -460,6 +464,18 @@ class Engine:
                 f"batching with {self.batching.describe()}. The error: "
                 f"{' '.join(failure.split()).rstrip('.')}. The server did not become ready; run "
                 "with --debug for the traceback.")
+
+    def _non_finite_message(self, logprob: float, module: str | None) -> str:
+        config = self.loaded.model.config
+        arch = (getattr(config, "architectures", None) or [type(self.loaded.model).__name__])[0]
+        where = (f"; the first module whose output holds inf or NaN is {module}" if module else
+                 "")
+        return (f"{arch} cannot serve: the start-up generation of one token gave a "
+                f"log-probability of {logprob} (the model's logits are not finite){where}. Its "
+                "weights or scales overflow or hold NaN: a per-tensor scale such as "
+                "weight_scale_2 or weight_scale far beyond its export's range, or NaN weights "
+                "(`moe-runtime check` scans every scale; `serve` scans the weights as it loads "
+                "them). The server did not become ready.")
 
     def _pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -528,6 +544,9 @@ class Engine:
         except Exception as exc:  # jinja2's TemplateError and its kin
             raise ValueError(f"the chat template failed on these messages: "
                              f"{type(exc).__name__}: {exc}") from None
+        problem = prompt_ids_problem(ids, vocab_size_of(self.loaded.model))
+        if problem:  # a template (or its variables) that returns something else
+            raise ValueError(f"the chat template call returned {problem}")
         return list(ids)
 
     # ------------------------------------------------------------------------------ generation
@@ -558,6 +577,10 @@ class Engine:
         if manager is None or not (self._running if _probe else self.healthy):
             reason = _fatal_error(manager) if manager else "not started"
             raise EngineUnavailable(f"the generation engine is not running ({reason})")
+        # the batching thread serves every request: one it cannot take would stop it for all
+        problem = prompt_ids_problem(prompt_ids, vocab_size_of(self.loaded.model))
+        if problem:
+            raise EngineError(f"the prompt is {problem}; the request was not submitted")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
         if sampling.seed is None and self._seeds is not None and not _probe:
@@ -927,6 +950,37 @@ def recover_from_failed_capture(stream, pool, device=None) -> None:
             gen.graphsafe_set_state(gen.clone_state())
 
 
+def prompt_ids_problem(ids, vocab_size: int | None) -> str | None:
+    """What makes ``ids`` no prompt the batching path can take (a non-empty flat sequence of
+    token ids below ``vocab_size``), or None. Found by an audit (2026-12-07): a chat template
+    call that returned nested lists reached transformers' continuous batching, whose thread
+    then stopped, and every later request was answered 503."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        return f"a {type(ids).__name__}, not a list of token ids"
+    if not ids:
+        return "empty: no token ids"
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return (f"not a flat list of token ids: item {i} is a {type(t).__name__} "
+                    f"({clip_repr(t)})")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            return (f"token id {t} at {i}, outside the vocabulary (0 to "
+                    f"{(vocab_size or 1) - 1})")
+    return None
+
+
+def clip_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _capturing(t) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``t``'s device."""
+    import torch
+
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _fatal_error(manager):
     """The continuous-batching thread's fatal error, if any (transformers 5.14 keeps it on the
     manager, 5.17 on ``manager.background_thread_status``)."""
@@ -960,8 +1014,12 @@ class _ModuleTrace:
                        for name, m in model.named_modules()}
         self._open: dict[int, list[str]] = {}
         self._handles = []
+        # (module, a device flag: its output is all finite), in the order the forwards ended;
+        # read after the probe only (no host sync inside a step, none at all while capturing)
+        self._finite: list[tuple[str, object]] = []
 
     def __enter__(self) -> _ModuleTrace:
+        import torch
         from torch.nn.modules.module import (
             register_module_forward_hook,
             register_module_forward_pre_hook,
@@ -976,6 +1034,13 @@ class _ModuleTrace:
             stack = self._open.get(threading.get_ident())
             if stack and self._names.get(id(module)) == stack[-1]:
                 stack.pop()
+            name = self._names.get(id(module))
+            t = output[0] if isinstance(output, (tuple, list)) and output else output
+            t = getattr(t, "last_hidden_state", None) if not hasattr(t, "is_floating_point") \
+                else t
+            if (name is not None and t is not None and t.is_floating_point() and t.numel()
+                    and len(self._finite) < 100_000 and not _capturing(t)):
+                self._finite.append((name, torch.isfinite(t).all()))
 
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
         return self
@@ -983,6 +1048,11 @@ class _ModuleTrace:
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
+
+    def first_non_finite(self) -> str | None:
+        """The first module (in the order forwards ended: the innermost first) whose output held
+        inf or NaN during the trace, or None."""
+        return next((name for name, ok in self._finite if not bool(ok)), None)
 
     def failing_module(self) -> str | None:
         stacks = [s for s in self._open.values() if s]

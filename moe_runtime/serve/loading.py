@@ -183,6 +183,14 @@ def _load_tokenizer(auto, folder: Path, *, given: bool):
     if not present:
         raise LoadError(f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}), "
                         f"so no prompt could be encoded: {how}")
+    vocabularies = [f for f in present if f != "tokenizer_config.json"]
+    if not vocabularies and not any(folder.glob("*.tiktoken")) and not any(
+            folder.glob("merges.txt")):
+        # transformers then says to install sentencepiece or tiktoken: the file is what is missing
+        raise LoadError(f"{folder} has tokenizer_config.json but no vocabulary for it (none of "
+                        f"{', '.join(f for f in TOKENIZER_FILES if f != 'tokenizer_config.json')}"
+                        f"): copy the model's tokenizer.json (or its tokenizer.model) beside it, "
+                        f"or {how}")
     try:
         tokenizer = auto.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # transformers raises several types for a missing tokenizer

@@ -34,7 +34,10 @@ MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound; vLLM's
 # apply_chat_template's own arguments: a request's chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict",
                                       "return_tensors", "padding", "truncation", "max_length",
-                                      "chat_template", "tools", "documents"})
+                                      "chat_template", "tools", "documents", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask"})
+# the request's own fields: chat_template_kwargs may not set them a second time
+OWN_FIELD_TEMPLATE_KWARGS = frozenset({"add_generation_prompt", "continue_final_message"})
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (messages -> content parts -> fields)
 ECHO_LIMIT = 200  # characters of one piece of client input that an error message echoes
 
@@ -668,7 +671,11 @@ class ChatCompletionRequest(_Request):
         for key in sorted(self.chat_template_kwargs or {}):
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise invalid(f"chat_template_kwargs may not set {key!r}: it is an argument of "
-                              "the template call itself", "chat_template_kwargs")
+                              "the template call itself; accepted: the template's own "
+                              "variables (enable_thinking...)", "chat_template_kwargs")
+            if key in OWN_FIELD_TEMPLATE_KWARGS:
+                raise invalid(f"chat_template_kwargs may not set {key!r}: it is a field of the "
+                              f"request; set {key} there", "chat_template_kwargs")
         if self.add_generation_prompt and self.continue_final_message:
             raise invalid("continue_final_message=true continues the last message, so it needs "
                           "add_generation_prompt=false", "continue_final_message")

@@ -384,6 +384,23 @@ DAMAGES = [
              [f"{EXPERT}.down_proj.weight_scale_2", said])
       for label, value, said in (("nan", math.nan, "NaN"), ("inf", math.inf, "infinite"),
                                  ("zero", 0.0, "zeros"), ("negative", -0.01, "negative"))],
+    # a plain weight of a module the model has not: loading would drop it without a word (the
+    # check's fast path let every ".weight" under "model." through: audit, 2026-12-07)
+    Damage("stray_weight_outside_the_layers", "qwen3_fp8", edit_tensors(
+        lambda t: t.__setitem__("model.foo.weight", torch.zeros(4, 4, dtype=torch.bfloat16))),
+           "tensors", ["'model.foo.weight' is stored", "no parameter it would be loaded into"]),
+    Damage("stray_weight_in_every_moe_block", "qwen3_nvfp4", edit_tensors(
+        lambda t: [t.__setitem__(f"model.layers.{i}.mlp.foo.weight",
+                                 torch.zeros(4, 4, dtype=torch.bfloat16)) for i in range(3)]),
+           "tensors", ["'model.layers.0.mlp.foo.weight' is stored",
+                       "no parameter it would be loaded into"]),
+    # finite and positive, but what they scale leaves float32 (an audit's 1e38 served NaN)
+    Damage("weight_scale_2_overflows", "qwen3_nvfp4",
+           set_scalar(f"{EXPERT}.down_proj.weight_scale_2", 1e38), "scales",
+           [f"{EXPERT}.down_proj.weight_scale_2", "beyond float32", "at most 1.27e+35"]),
+    Damage("fp8_weight_scale_overflows", "qwen3_fp8",
+           set_scalar(f"{EXPERT}.gate_proj.weight_scale", 1e36), "scales",
+           [f"{EXPERT}.gate_proj.weight_scale", "beyond float32", "at most 7.6e+35"]),
     Damage("input_scale_negative", "qwen3_fp8", set_scalar(f"{EXPERT}.gate_proj.input_scale", -1),
            "scales", [f"{EXPERT}.gate_proj.input_scale", "negative"]),
     Damage("fp8_weight_scale_zero", "qwen3_fp8", set_scalar(f"{EXPERT}.gate_proj.weight_scale", 0),
@@ -580,6 +597,31 @@ def _assert_serve_refuses(folder, needles):
     assert all(n in text for n in needles), text
     assert "serving '" not in text  # no half-started server
     assert time.monotonic() - started < 120
+
+
+def test_serve_refuses_a_scale_that_makes_the_first_token_not_finite(tmp_path):
+    """A global scale of 1e30 on one expert passes the check (finite, positive, what it scales
+    stays finite in float32) but overflows the layer's activations: the start-up token's
+    log-probability is NaN, and serve refuses naming the first module whose output is not
+    finite, rather than serving empty text (found by an audit, 2026-12-07). The default model:
+    an export with a tokenizer, NVFP4 experts."""
+    from moe_runtime.serve.default_model import make_default_model
+
+    folder = make_default_model(tmp_path / "m")
+    expert = "model.layers.1.mlp.experts.3"
+    for proj in ("gate_proj", "up_proj"):  # one fused GEMM: the two share the global scale
+        set_scalar(f"{expert}.{proj}.weight_scale_2", 1e30)(folder)
+    assert check_checkpoint(folder).ok
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_runtime.serve", "--model", str(folder),
+                           "--port", "0", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 1, proc.stderr
+    [error] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "cannot serve" in error and "log-probability of nan" in error
+    assert ("the first module whose output holds inf or NaN is model.layers.1.mlp.experts"
+            in error)
+    assert "Traceback" not in proc.stderr and "ready: " not in proc.stderr
 
 
 def test_serve_names_config_json_when_transformers_refuses_a_field(qwen3_fp8, tmp_path):

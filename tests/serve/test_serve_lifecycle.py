@@ -41,15 +41,19 @@ def test_a_checkpoint_without_tokenizer_files_is_refused_before_its_weights_load
     assert "Loading" not in r.stderr and "Traceback" not in r.stderr
 
 
-def test_a_tokenizer_that_encodes_nothing_is_refused(tmp_path):
+def test_a_tokenizer_config_without_its_vocabulary_is_refused_naming_the_missing_file(tmp_path):
+    """A tokenizer_config.json left without tokenizer.json: transformers either loads a
+    tokenizer that encodes text to nothing, or says to install sentencepiece or tiktoken (an
+    audit of 2026-12-07); the refusal names the file that is missing instead."""
     from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "empty-vocab", arch="qwen3_moe", quant="bf16")
-    # a config naming a tokenizer class but no vocabulary: it loads, and encodes text to nothing
     (ckpt / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer"}')
     r = _serve(str(ckpt))
     assert r.returncode == 1
-    assert "encodes text to no tokens" in r.stderr and "Traceback" not in r.stderr
+    assert "has tokenizer_config.json but no vocabulary for it" in r.stderr
+    assert "tokenizer.json" in r.stderr and "--tokenizer" in r.stderr
+    assert "sentencepiece" not in r.stderr and "Traceback" not in r.stderr
 
 
 def _start(cache_home, *argv) -> ServerProcess:

@@ -105,6 +105,29 @@ def test_chat_template_kwargs_may_not_replace_the_call_arguments(house_client):
     assert info.value.param == "chat_template_kwargs" and "'tokenize'" in info.value.message
 
 
+@pytest.mark.parametrize("key, value, said", [
+    # apply_chat_template passes it to the tokenizer: its overflowing-token lists once reached
+    # the batching thread and stopped it for every request (audit, 2026-12-07)
+    ("tokenizer_kwargs", {"return_overflowing_tokens": True}, "argument of the template call"),
+    ("return_assistant_tokens_mask", True, "argument of the template call"),
+    # the request's own fields: a second value in chat_template_kwargs silently won
+    ("add_generation_prompt", False, "set add_generation_prompt there"),
+    ("continue_final_message", True, "set continue_final_message there"),
+])
+def test_chat_template_kwargs_may_not_set_tokenizer_arguments_or_request_fields(
+        house_client, key, value, said):
+    with pytest.raises(openai.BadRequestError) as info:
+        house_client.chat.completions.create(
+            model="house-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+            extra_body={"chat_template_kwargs": {key: value}})
+    assert info.value.param == "chat_template_kwargs"
+    assert f"{key!r}" in info.value.message and said in info.value.message
+    # and the server serves on
+    ok = house_client.chat.completions.create(
+        model="house-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 def test_max_request_bytes_caps_the_body(house):
     body = {"model": "house-model", "prompt": "x" * 5000, "max_tokens": 1}
     r = httpx.post(house.root + "/v1/completions", json=body,
