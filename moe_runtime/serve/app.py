@@ -384,7 +384,8 @@ class _Server:
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
         except EngineError as exc:
-            raise APIError(500, f"generation failed: {exc}", type="server_error") from None
+            raise APIError(500, f"generation failed: {exc}", type="server_error",
+                           code="generation_failed") from None
         except ClientDisconnect:
             # the client left before its answer: its engine requests are cancelled already;
             # counted as a stream whose client left is, and logged 499 by _Guard

@@ -528,6 +528,9 @@ class CompletionRequest(_Request):
 
 
 def _check_response_format(response_format: dict | None) -> None:
+    if response_format is not None and "type" not in response_format:
+        raise invalid("response_format needs a 'type' (OpenAI's schema requires it); accepted: "
+                      "{'type': 'text'} or null", "response_format.type", "missing_required")
     kind = (response_format or {}).get("type", "text")
     if kind != "text":
         raise invalid(f"response_format type {clip(kind, 80, quoted=True)} is not supported: "
@@ -688,7 +691,9 @@ class ChatCompletionRequest(_Request):
                           "writes the special tokens; accepted: false", "add_special_tokens",
                           "unsupported_parameter")
         if all(not m.text() for m in self.messages):
-            raise invalid("the messages have no content", "messages", "invalid_value")
+            raise invalid(f"the messages have no content (none of the {len(self.messages)} "
+                          "holds text); accepted: at least one message with non-empty content",
+                          "messages.0.content", "invalid_value")
 
     @property
     def top_logprobs(self) -> int | None:

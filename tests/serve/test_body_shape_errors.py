@@ -42,7 +42,7 @@ def test_a_body_that_is_no_object_says_what_it_is(http, body, kind):
     ("/v1/completions", {"prompt": ["hi"] * 65, "max_tokens": 1}, "prompt"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "max_tokens": 1},
-     "messages"),
+     "messages.0.content"),
 ])
 def test_every_400_has_a_code(http, route, body, param):
     r = http.post(route, json=body)

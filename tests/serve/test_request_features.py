@@ -164,6 +164,20 @@ def test_echo_with_logprobs_scores_the_prompt(dynamic):
     assert streamed == lp.tokens
 
 
+def test_a_response_format_without_a_type_and_messages_without_content_name_the_field(
+        client, server):
+    """Both were refused or served naming no precise field (audit, 2026-12-07): a
+    response_format of {} was served; empty messages named only 'messages'."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, max_tokens=2, response_format={},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.param == "response_format.type" and "'text'" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, max_tokens=2,
+                                       messages=[{"role": "user", "content": ""}])
+    assert info.value.param == "messages.0.content" and "no content" in info.value.message
+
+
 def test_json_response_format_is_refused_in_openai_shape(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=server.model, max_tokens=4,
