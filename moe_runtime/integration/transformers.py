@@ -451,10 +451,40 @@ def _require_finite_experts(t: torch.Tensor, layer, what: str, ids=None) -> None
     per = max(1, t.numel() // max(1, t.shape[0])) if t.dim() else 1
     e = first // per if t.dim() else 0
     expert = list(ids)[e] if ids is not None and t.dim() else e
+    tensor = _checkpoint_tensor(layer, what, t, first % per, expert)
     raise WeightError(
-        f"layer {layer.name}: the experts' {what} holds {count} NaN or infinite value(s) of "
-        f"{t.numel()}, the first in expert {expert} (tensors {layer.name}.{expert}.*); every "
-        "served weight must be finite: re-export or repair the checkpoint")
+        f"layer {layer.name}: {tensor} holds NaN or infinite values ({count} of the layer's "
+        f"{t.numel()} {what} values; the first in expert {expert}); every served weight must "
+        "be finite: re-export or repair the checkpoint")
+
+
+# the loaded experts' stacked fields -> (projections: 0 gate and up, 1 down; checkpoint leaf)
+_EXPERT_FIELDS = {"w13": (0, "weight"), "w2": (1, "weight"), "w13_scale": (0, "weight_scale"),
+                  "w2_scale": (1, "weight_scale"), "w13_scale_2": (0, "weight_scale_2"),
+                  "w2_scale_2": (1, "weight_scale_2"), "a13_scale": (0, "input_scale"),
+                  "a2_scale": (1, "input_scale")}
+
+
+def _checkpoint_tensor(layer, what: str, t: torch.Tensor, offset: int, expert: int) -> str:
+    """The checkpoint tensor(s) a value of the stacked field ``what`` comes from, named as the
+    checkpoint names them (``...experts.3.down_proj.weight``), not by the loader's field names
+    (``w2``); ``offset``: the value's flat index within its expert."""
+    names = getattr(layer, "expert_names", None)
+    if what not in _EXPERT_FIELDS or not names or len(names) != 3:
+        return f"the experts' {what} (tensors {layer.name}.{expert}.*)"
+    kind, leaf = _EXPERT_FIELDS[what]
+    gate, up, down = names
+    if kind == 1:
+        projs = [down]
+    elif t.dim() >= 3 and t.shape[1] % 2 == 0:  # [E, 2I, ...]: gate rows, then up rows
+        row = offset // max(1, t[0].numel() // t.shape[1])
+        projs = [gate if row < t.shape[1] // 2 else up]
+    else:
+        projs = [gate, up]
+    module = getattr(layer, "expert_module", None)
+    full = [f"{module(expert, p) if callable(module) else f'{layer.name}.{expert}.{p}'}.{leaf}"
+            for p in projs]
+    return "tensor " + " or ".join(repr(n) for n in full)
 
 
 def _check_token_bound(bound: int | None, deployment, ep_size: int) -> None:

@@ -152,12 +152,16 @@ def test_peak_memory_stays_near_one_layer(tiny_checkpoint, tmp_path):
      r"tensor 'model.layers.0.self_attn.q_proj.weight' of .* holds 1 NaN or infinite value\(s\)"),
     ("bf16", lambda names, layer: "model.norm.weight", float("inf"),
      r"tensor 'model.norm.weight' of .* holds 1 NaN or infinite"),
-    # an expert's weight: the layer and the expert named
+    # an expert's weight: the checkpoint tensor named (not the loader's field, "w2")
     ("bf16", lambda names, layer: f"{layer.name}.5.{layer.expert_names[2]}.weight",
-     float("-inf"), r"experts' w2 holds 1 NaN or infinite value\(s\) .* in expert 5 "),
-    # fp8: e4m3fn's NaN code, which no float comparison on the bytes would see as a value
+     float("-inf"), r"tensor 'model\.layers\.\d+\.mlp\.experts\.5\.down_proj\.weight' holds "
+                    r"NaN or infinite values \(1 of .* w2 values; the first in expert 5\)"),
+    # fp8: e4m3fn's NaN code, which no float comparison on the bytes would see as a value; of
+    # the fused gate/up rows, the gate's
     ("fp8", lambda names, layer: f"{layer.name}.3.{layer.expert_names[0]}.weight", float("nan"),
-     r"experts' w13 holds 1 NaN or infinite value\(s\) .* in expert 3 "),
+     r"tensor 'model\.layers\.\d+\.mlp\.experts\.3\.gate_proj\.weight' holds NaN"),
+    ("bf16", lambda names, layer: f"{layer.name}.2.{layer.expert_names[1]}.weight", float("nan"),
+     r"tensor 'model\.layers\.\d+\.mlp\.experts\.2\.up_proj\.weight' holds NaN"),
 ])
 def test_a_weight_that_is_not_finite_stops_loading_and_is_named(tiny_checkpoint, tmp_path, fmt,
                                                                  pick, value, needle):
