@@ -1366,7 +1366,9 @@ class _Check:
                     if problem:
                         problems[problem].append(tensor)
         for (problem, accepted), names in problems.items():
-            self.add("tensors", where, f"tensor {names[0]!r} {problem}"
+            meta = self.tensors.get(names[0])  # stored (a wrong shape or dtype): its file too
+            self.add("tensors", where, f"tensor {names[0]!r}"
+                     + (f" (in {meta.file})" if meta is not None else "") + f" {problem}"
                      + _more(len(names) - 1, "tensor"), accepted)
         self._unread_expert_tensors(layer, layout, bound, where)
         # no expert beyond the config's count, and the router scores exactly the experts
