@@ -23,7 +23,8 @@ def moe_runtime_register_formats(register):
         :class:`moe_runtime.formats.WeightFormat` or :class:`moe_runtime.formats.Payload`.
         Registering a name that another plugin already registered raises ``RegistryError``.
 
-    Called once per plugin manager, before backends are registered. Return value ignored.
+    Called once per plugin manager, before backends are registered. Returns nothing: a returned
+    value is never registered, so an implementation that returns one is reported as at fault.
     """
 
 
@@ -37,5 +38,7 @@ def moe_runtime_register_backends(register):
         two plugins raises ``RegistryError`` naming both.
 
     Must not import kernel libraries: a spec carries a lazy ``"module:Class"`` factory that is
-    imported only when the planner selects the backend. Return value ignored.
+    imported only when the planner selects the backend. Returns nothing: a returned value (a list
+    of specs, say) is never registered, so an implementation that returns one is reported as at
+    fault.
     """

@@ -10,6 +10,7 @@ loaded plugins declare is collected by :class:`moe_runtime.plugin.registry.Regis
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import os
 import traceback
@@ -146,11 +147,21 @@ def get_plugin_manager(
         _load_entrypoints(pm, blocked=blocked, strict=strict)
         _drop_invalid_entrypoints(pm, strict=strict)
     for plugin in plugins:
-        pm.register(plugin)
+        try:
+            _check_unmarked_hooks(pm, plugin, pm.get_canonical_name(plugin))
+            pm.register(plugin)
+        except pluggy.PluginValidationError as exc:
+            raise pluggy.PluginValidationError(
+                exc.plugin, explain_validation_error(pm, exc, pm.get_canonical_name(plugin))
+            ) from exc
         pm.plugin_infos.append(
             PluginInfo(pm.get_name(plugin), None, None, getattr(plugin, "__name__", None), "loaded")
         )
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise pluggy.PluginValidationError(
+            exc.plugin, explain_validation_error(pm, exc, pm.get_name(exc.plugin))) from exc
     return pm
 
 
@@ -181,9 +192,15 @@ def _load_entrypoints(pm: MoEPluginManager, *, blocked: frozenset[str], strict: 
         seen[ep.name] = dist
         try:
             obj = ep.load()
+            _check_unmarked_hooks(pm, obj, ep.name)
             pm.register(obj, name=ep.name)
         except Exception as exc:  # a broken plugin must not take the host down
             error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, pluggy.PluginValidationError):
+                # pluggy's message is several lines, its cause on the last: one line with the cause
+                # and what the hook accepts, then pluggy's own text
+                error = (f"{type(exc).__name__}: {explain_validation_error(pm, exc, ep.name)}"
+                         f"\n{exc}")
             if strict:
                 raise PluginError(
                     f"plugin {ep.name!r} from distribution {dist!r} failed to load: {error}"
@@ -205,9 +222,88 @@ def _drop_invalid_entrypoints(pm: MoEPluginManager, *, strict: bool) -> None:
             return
         except pluggy.PluginValidationError as exc:
             name = pm.get_name(exc.plugin)
+            error = explain_validation_error(pm, exc, name)
             if strict or name is None:
-                raise PluginError(f"plugin {name!r}: {exc}") from exc
+                raise PluginError(f"plugin {name!r}: {error}") from exc
             pm.unregister(exc.plugin)
             for k, info in enumerate(pm.plugin_infos):
                 if info.name == name:
-                    pm.plugin_infos[k] = attrs.evolve(info, status="failed", error=str(exc))
+                    pm.plugin_infos[k] = attrs.evolve(info, status="failed", error=error)
+
+
+def hook_signatures(pm: pluggy.PluginManager) -> dict[str, tuple[str, ...]]:
+    """Every hook of the specification and the argument names it passes (by keyword)."""
+    out = {}
+    for name in sorted(vars(pm.hook)):
+        hook = getattr(pm.hook, name)
+        if not name.startswith("_") and hook.has_spec():
+            out[name] = tuple(hook.spec.argnames) + tuple(hook.spec.kwargnames)
+    return out
+
+
+def _signature_list(pm: pluggy.PluginManager) -> str:
+    return ", ".join(f"{n}({', '.join(a)})" for n, a in hook_signatures(pm).items())
+
+
+def _hookimpls_of(pm: pluggy.PluginManager, plugin: object, name: str | None):
+    """``(hook name, HookImpl)`` for every implementation the plugin object marks, as pluggy
+    parses them."""
+    for attr in dir(plugin):
+        try:
+            opts = pm.parse_hookimpl_opts(plugin, attr)
+        except Exception:  # an attribute that raises when read is pluggy's to report
+            continue
+        if opts is None:
+            continue
+        function = getattr(plugin, attr)
+        yield opts.get("specname") or attr, pluggy.HookImpl(plugin, name or "", function, opts)
+
+
+def explain_validation_error(pm: pluggy.PluginManager, exc: pluggy.PluginValidationError,
+                             name: str | None) -> str:
+    """pluggy's ``PluginValidationError`` in one line: for each hook implementation of the plugin
+    at fault, what is wrong with it and what the hook accepts (its name, its argument names).
+
+    pluggy puts the cause on the last of several lines; ``moe-runtime plugins`` prints one."""
+    signatures = hook_signatures(pm)
+    accepted = _signature_list(pm)
+    problems = []
+    for hook_name, impl in _hookimpls_of(pm, exc.plugin, name):
+        spec_args = signatures.get(hook_name)
+        if spec_args is None:
+            if impl.optionalhook:
+                continue
+            close = difflib.get_close_matches(hook_name, list(signatures), n=1)
+            problems.append(
+                f"unknown hook {hook_name!r} in plugin {name or exc.plugin!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; the hooks of moe-runtime are {accepted}")
+            continue
+        extra = [a for a in impl.argnames if a not in spec_args]
+        if extra:
+            problems.append(
+                f"plugin {name!r}: its hook implementation {hook_name}({', '.join(impl.argnames)}) "
+                f"declares argument(s) {', '.join(map(repr, extra))}, which the hook does not "
+                f"pass; the hook passes {', '.join(map(repr, spec_args))} by keyword (pluggy "
+                f"matches parameters by name), so write {hook_name}({', '.join(spec_args)})")
+    if problems:
+        return "; ".join(problems)
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{text}; the hooks of moe-runtime are {accepted}"
+
+
+def _check_unmarked_hooks(pm: pluggy.PluginManager, plugin: object, name: str | None) -> None:
+    """A function named as a hook but not marked ``@moe_runtime.hookimpl`` is never called: pluggy
+    skips it without a word, and the plugin would be listed as loaded having declared nothing."""
+    specs = hook_signatures(pm)
+    for attr in specs:
+        function = getattr(plugin, attr, None)
+        if not callable(function) or pm.parse_hookimpl_opts(plugin, attr) is not None:
+            continue
+        if pm.parse_hookspec_opts(plugin, attr) is not None:
+            continue  # the specification itself, imported into the plugin's namespace
+        raise pluggy.PluginValidationError(
+            plugin,
+            f"plugin {name!r} defines {attr}({', '.join(specs[attr])}) without marking it "
+            f"@moe_runtime.hookimpl, so it would never be called and the plugin would declare "
+            f"nothing; decorate it with @hookimpl (from moe_runtime import hookimpl)")

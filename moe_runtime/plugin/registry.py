@@ -234,19 +234,58 @@ class Registry:
 def _call_each(hook_caller, add, skipped=frozenset()) -> None:
     """Call every implementation of a ``register`` hook, telling ``add`` which plugin it was.
 
-    An exception a plugin's hook raises (a record it cannot build, say) is that plugin's fault."""
+    An exception a plugin's hook raises (a record it cannot build, say) is that plugin's fault, and
+    so is a value it returns: pluggy would collect it in the hook's list of results, which
+    moe-runtime never reads (records are declared by calling ``register``), so a hook returning its
+    specs instead of registering them would otherwise declare nothing without a word. A hook wrapper
+    is refused for the same reason: each implementation is called on its own, once."""
+    argnames = tuple(hook_caller.spec.argnames) if hook_caller.spec is not None else ()
+    call = f"{hook_caller.name}({', '.join(argnames)})"
     for impl in hook_caller.get_hookimpls():  # registration order: built-ins first
         name = impl.plugin_name
         if name in skipped:
             continue
+        if impl.hookwrapper or impl.wrapper:
+            raise _PluginFault(name,
+                f"its hook {hook_caller.name} is marked as a wrapper (wrapper=True or "
+                f"hookwrapper=True); moe-runtime calls each implementation of {call} once, on "
+                f"its own: drop the option and call register(...) for each record")
 
-        def register(item, _name=name):
+        def register(item, /, *, _name=name):
             add(item, _name)
 
         try:
-            impl.function(**{arg: register for arg in impl.argnames})
+            result = impl.function(**{arg: register for arg in impl.argnames})
         except RegistryError:
             raise
         except Exception as exc:
             raise _PluginFault(name, f"its hook {hook_caller.name} raised "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                                     f"{type(exc).__name__}: {exc}{_where(exc)}") from exc
+        if result is not None:
+            raise _PluginFault(name,
+                f"its hook {hook_caller.name} returned {_short_repr(result)} "
+                f"({type(result).__name__}); the return value of {call} is not used, so nothing "
+                f"it returns is registered: records are registered by calling the argument's "
+                f"register(...), once per record, and the hook returns nothing (see "
+                f"docs/writing-a-backend.md)")
+
+
+def _short_repr(value, limit: int = 200) -> str:
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 120
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 3
+    text = r.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION)``: the innermost frame of the plugin's traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if len(frames) < 2:  # only the call in _call_each: the hook itself did not run
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno}, in {f.name})"
