@@ -987,8 +987,14 @@ class _Check:
         usual = ("weight", "e_score_correction_bias", *self._READ_BESIDE_WEIGHT,
                  *self._RECOMPUTED)
 
+        declared_layers = self._model_fields().get("num_hidden_layers")
+        layer_number = re.compile(rf"^{re.escape(prefix)}layers\.(\d+)\.")
+
         def usual_name(name: str) -> bool:  # a plain weight (or scale) of a module of the
             module, _, leaf = name.rpartition(".")  # usual naming: the fast path may skip it
+            m = layer_number.match(name)
+            if m and isinstance(declared_layers, int) and int(m.group(1)) >= declared_layers:
+                return True  # a layer past the declared ones (DeepSeek's MTP): skipped below
             if leaf not in usual:
                 return False
             if module == "lm_head":

@@ -476,7 +476,7 @@ def _checkpoint_tensor(layer, what: str, t: torch.Tensor, offset: int, expert: i
     gate, up, down = names
     if kind == 1:
         projs = [down]
-    elif t.dim() >= 3 and t.shape[1] % 2 == 0:  # [E, 2I, ...]: gate rows, then up rows
+    elif t.dim() >= 2 and t.shape[1] % 2 == 0:  # [E, 2I, ...]: gate rows, then up rows
         row = offset // max(1, t[0].numel() // t.shape[1])
         projs = [gate if row < t.shape[1] // 2 else up]
     else:

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from moe_runtime.serve.access_log import log_request, logged_path, request_id, route_label
-from moe_runtime.serve.engine import Delta, Engine, EngineError, EngineUnavailable
+from moe_runtime.serve.engine import Delta, Engine, EngineError, EngineUnavailable, PromptRejected
 from moe_runtime.serve.metrics import ServerMetrics
 from moe_runtime.serve.protocol import (
     APIError,
@@ -121,6 +121,10 @@ def _check_content_type(request: Request) -> None:
                    code="unsupported_content_type")
 
 
+class NonFiniteOutput(EngineError):
+    """A request's log-probabilities are NaN or +inf: the model's outputs are not finite."""
+
+
 LOGPROB_FLOOR = -9999.0  # what vLLM answers for a log-probability of -inf (JSON has no inf)
 
 
@@ -133,7 +137,7 @@ def _json_logprob(value: float | None, token: int) -> float | None:
         return value
     if value == -math.inf:
         return LOGPROB_FLOOR
-    raise EngineError(f"the model's log-probability of token {token} is {value}: its outputs "
+    raise NonFiniteOutput(f"the model's log-probability of token {token} is {value}: its outputs "
                       "are not finite for this request (its weights or scales overflow or hold "
                       "NaN), so the tokens mean nothing")
 
@@ -383,6 +387,8 @@ class _Server:
                                                                           strict=True)))
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        except PromptRejected as exc:
+            raise invalid(str(exc), "messages" if chat else "prompt", "invalid_prompt") from None
         except EngineError as exc:
             raise APIError(500, f"generation failed: {exc}", type="server_error",
                            code="generation_failed") from None
@@ -562,8 +568,15 @@ class _Server:
             yield "data: [DONE]\n\n"
         except (EngineUnavailable, EngineError) as exc:
             reason, ended = "error", True
-            status = 503 if isinstance(exc, EngineUnavailable) else 500
-            err = APIError(status, str(exc), type="server_error")
+            if isinstance(exc, PromptRejected):
+                err = invalid(str(exc), "messages" if chat else "prompt", "invalid_prompt")
+            else:
+                err = APIError(503 if isinstance(exc, EngineUnavailable) else 500, str(exc),
+                               type="server_error",
+                               code=("engine_unavailable" if isinstance(exc, EngineUnavailable)
+                                     else "non_finite_output"
+                                     if isinstance(exc, NonFiniteOutput)
+                                     else "generation_failed"))
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             if not ended:

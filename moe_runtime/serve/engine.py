@@ -72,6 +72,11 @@ class EngineError(RuntimeError):
     """A request failed inside the engine (the others keep running)."""
 
 
+class PromptRejected(EngineError):
+    """A prompt the batching path cannot take (not a flat list of token ids of the vocabulary):
+    refused before it is submitted; the client's request is at fault."""
+
+
 class EngineUnavailable(EngineError):
     """The batching thread is not running: no request can be served."""
 
@@ -294,6 +299,8 @@ class Engine:
                              else self._cache_batcher())
         if probe:
             self.probe()
+        if self._graph_policy is not None:  # from now on a capture is a shape served traffic met
+            self._graph_policy.serving = True
 
     def _enable_fused_norms(self) -> None:
         why = fused_norm.unavailable(next(self.loaded.model.parameters()).device)
@@ -396,9 +403,8 @@ class Engine:
             # captures the decode sizes of flash attention's decode path, and (prefill graphed)
             # the largest varlen step first, so the graph pool is sized once
             manager.warmup()
-            if policy is not None:
-                policy.serving = True
-                self._graph_policy = policy
+            # counted as warm-up until the probe's token is generated (start, probe)
+            self._graph_policy = policy
             self.sampler.forget_steps()  # warm-up forwards are never delivered
             log.info("CUDA graphs: warm-up took %.1f s", time.perf_counter() - start)
             if policy is not None and policy.capture_failures:
@@ -472,10 +478,11 @@ class Engine:
                  "")
         return (f"{arch} cannot serve: the start-up generation of one token gave a "
                 f"log-probability of {logprob} (the model's logits are not finite){where}. Its "
-                "weights or scales overflow or hold NaN: a per-tensor scale such as "
-                "weight_scale_2 or weight_scale far beyond its export's range, or NaN weights "
-                "(`moe-runtime check` scans every scale; `serve` scans the weights as it loads "
-                "them). The server did not become ready.")
+                "weights or scales overflow the activations or hold NaN: a per-tensor scale "
+                "such as weight_scale_2 or weight_scale far beyond its export's range (ModelOpt's "
+                "are below 1 for real weights; `moe-runtime check` refuses only scales that "
+                "overflow float32 on their own), or NaN weights (`serve` scans the weights as it "
+                "loads them). The server did not become ready.")
 
     def _pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -580,7 +587,7 @@ class Engine:
         # the batching thread serves every request: one it cannot take would stop it for all
         problem = prompt_ids_problem(prompt_ids, vocab_size_of(self.loaded.model))
         if problem:
-            raise EngineError(f"the prompt is {problem}; the request was not submitted")
+            raise PromptRejected(f"the prompt is {problem}; the request was not submitted")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
         if sampling.seed is None and self._seeds is not None and not _probe:
@@ -974,6 +981,9 @@ def clip_repr(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+_FINITE_DTYPES = {"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"}
+
+
 def _capturing(t) -> bool:
     """Whether a CUDA graph is being captured on the current stream of ``t``'s device."""
     import torch
@@ -1039,8 +1049,12 @@ class _ModuleTrace:
             t = getattr(t, "last_hidden_state", None) if not hasattr(t, "is_floating_point") \
                 else t
             if (name is not None and t is not None and t.is_floating_point() and t.numel()
-                    and len(self._finite) < 100_000 and not _capturing(t)):
-                self._finite.append((name, torch.isfinite(t).all()))
+                    and str(t.dtype) in _FINITE_DTYPES and len(self._finite) < 100_000
+                    and not _capturing(t)):
+                try:  # a diagnosis only: it never fails the probe itself
+                    self._finite.append((name, torch.isfinite(t).all()))
+                except (RuntimeError, NotImplementedError):
+                    pass
 
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
         return self

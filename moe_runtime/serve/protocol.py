@@ -36,8 +36,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "r
                                       "return_tensors", "padding", "truncation", "max_length",
                                       "chat_template", "tools", "documents", "tokenizer_kwargs",
                                       "return_assistant_tokens_mask"})
-# the request's own fields: chat_template_kwargs may not set them a second time
-OWN_FIELD_TEMPLATE_KWARGS = frozenset({"add_generation_prompt", "continue_final_message"})
+
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest a few levels (messages -> content parts -> fields)
 ECHO_LIMIT = 200  # characters of one piece of client input that an error message echoes
 
@@ -676,13 +675,15 @@ class ChatCompletionRequest(_Request):
                 raise invalid(f"chat_template_kwargs may not set {key!r}: it is an argument of "
                               "the template call itself; accepted: the template's own "
                               "variables (enable_thinking...)", "chat_template_kwargs")
-            if key in OWN_FIELD_TEMPLATE_KWARGS:
-                raise invalid(f"chat_template_kwargs may not set {key!r}: it is a field of the "
-                              f"request; set {key} there", "chat_template_kwargs")
-        if self.add_generation_prompt and self.continue_final_message:
+        # chat_template_kwargs win over the request's two fields, as in vLLM: the checks read
+        # what the template will be called with
+        merged = self.template_kwargs()
+        continues = bool(merged.get("continue_final_message"))
+        if merged.get("add_generation_prompt") and continues:
             raise invalid("continue_final_message=true continues the last message, so it needs "
-                          "add_generation_prompt=false", "continue_final_message")
-        if self.continue_final_message and self.messages and self.messages[-1].role != "assistant":
+                          "add_generation_prompt=false (chat_template_kwargs' values count, as "
+                          "in vLLM)", "continue_final_message")
+        if continues and self.messages and self.messages[-1].role != "assistant":
             raise invalid("continue_final_message=true continues the last message, which must "
                           f"be the assistant's; it is the {self.messages[-1].role}'s",
                           "continue_final_message")

@@ -73,3 +73,22 @@ def test_a_chat_template_returning_nested_ids_is_a_400_and_the_engine_serves_on(
         assert http.get("/health").json() == {"status": "ok"}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_text_prompt_encoded_past_the_vocabulary_is_the_clients_400(engine, monkeypatch):
+    """A tokenizer with ids beyond the model's rows (a text prompt's fault, not the server's):
+    400 invalid_prompt naming the id, streamed or not, and the engine serves on."""
+    with TestClient(create_app(engine, manage_engine=False)) as http:
+        monkeypatch.setattr(engine, "encode_prompt", lambda text, **kw: [1, 10**6])
+        body = {"prompt": "hi", "max_tokens": 2}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_prompt" and err["param"] == "prompt"
+        assert "token id 1000000 at 1, outside the vocabulary" in err["message"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert '"invalid_prompt"' in events[-1]
+        monkeypatch.undo()
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -70,7 +70,7 @@ def test_a_request_whose_outputs_turn_non_finite_gets_a_server_error_and_the_ser
                 assert "is nan" in err["message"] and "not finite" in err["message"]
                 with http.stream("POST", route, json={**payload, "stream": True}) as s:
                     events = [line for line in s.iter_lines() if line.startswith("data: ")]
-                assert "not finite" in events[-1] and '"error"' in events[-1]
+                assert "not finite" in events[-1] and '"non_finite_output"' in events[-1]
             with torch.no_grad():
                 head[5] = kept
             r = http.post("/v1/completions", json=body)

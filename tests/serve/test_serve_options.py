@@ -110,12 +110,8 @@ def test_chat_template_kwargs_may_not_replace_the_call_arguments(house_client):
     # the batching thread and stopped it for every request (audit, 2026-12-07)
     ("tokenizer_kwargs", {"return_overflowing_tokens": True}, "argument of the template call"),
     ("return_assistant_tokens_mask", True, "argument of the template call"),
-    # the request's own fields: a second value in chat_template_kwargs silently won
-    ("add_generation_prompt", False, "set add_generation_prompt there"),
-    ("continue_final_message", True, "set continue_final_message there"),
 ])
-def test_chat_template_kwargs_may_not_set_tokenizer_arguments_or_request_fields(
-        house_client, key, value, said):
+def test_chat_template_kwargs_may_not_set_tokenizer_arguments(house_client, key, value, said):
     with pytest.raises(openai.BadRequestError) as info:
         house_client.chat.completions.create(
             model="house-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
@@ -126,6 +122,28 @@ def test_chat_template_kwargs_may_not_set_tokenizer_arguments_or_request_fields(
     ok = house_client.chat.completions.create(
         model="house-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_template_kwargs_may_set_the_generation_prompt_as_in_vllm(house_client):
+    """vLLM merges chat_template_kwargs over the request's add_generation_prompt (clients send
+    {"add_generation_prompt": true, "enable_thinking": ...} there); a conflict with
+    continue_final_message is judged on the merged values."""
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = house_client.chat.completions.create(model="house-model", messages=messages,
+                                                 max_tokens=1)
+    same = house_client.chat.completions.create(
+        model="house-model", messages=messages, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"add_generation_prompt": True}})
+    without = house_client.chat.completions.create(
+        model="house-model", messages=messages, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens > without.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        house_client.chat.completions.create(
+            model="house-model", max_tokens=1,
+            messages=[*messages, {"role": "assistant", "content": "Hel"}],
+            extra_body={"chat_template_kwargs": {"continue_final_message": True}})
+    assert info.value.param == "continue_final_message"
 
 
 def test_max_request_bytes_caps_the_body(house):
