@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="show which backends would run each MoE layer of a checkpoint",
                        description="Plan every MoE layer of a local checkpoint folder. Exits 1 when "
-                       "a requested backend cannot run a layer.")
+                       "a requested backend cannot run a layer, 2 when the checkpoint check finds "
+                       "a problem (as `moe-runtime check` does).")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     add_plan_arguments(p)
     add_check_arguments(p)
