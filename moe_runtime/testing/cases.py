@@ -4,7 +4,8 @@ Every number a case uses comes from the declaration it checks or from the format
 sizes are built from the block's ``shape_multiple`` and the format's block size (the smallest sizes
 admitted, sizes that are not multiples of 16 where admitted), experts cases run each block at its
 own ``max_tokens_per_forward`` (where it declares none, at the planner's default deployment's
-batch, 4096 tokens) and never past it, experts on another rank than the first get local ids,
+batch, 4096 tokens, and past it, at 8193: an undeclared bound claims every count) and never past
+a declared one, experts on another rank than the first get local ids,
 communication cases run each mode at its own ``max_tokens_per_rank`` and at every world size from
 1 to 4 it admits. Which problems a
 block accepts is decided by :meth:`Support.check`, the planner's own rule.
@@ -39,6 +40,18 @@ UNBOUNDED_CASE_TOKENS_PER_FORWARD = Deployment().max_tokens_per_rank
 # The largest batch an experts case sends; a declared bound above it is run at this size and the
 # case id says so (``token_bound-16384-of-65536``).
 MAX_CASE_TOKENS_PER_FORWARD = 16384
+# An undeclared bound claims every count, not only the default deployment's: an unbounded block is
+# run past it too, at twice it and one more (odd, past every power of two up to it), on the same
+# small sizes (a backend right up to 4096 tokens and wrong past them passed at 4096).
+UNBOUNDED_PAST_CASE_TOKENS = 2 * UNBOUNDED_CASE_TOKENS_PER_FORWARD + 1
+# The input scale of the ``large_activations`` case (hidden states about N(0, 256^2), amax about
+# 1000): the gated intermediate then reaches about 1e5-1e6 and the output about 1e5, past
+# float16's largest value (65504) and far inside bfloat16's and float32's (3.4e38). Activations
+# of a bf16 model are that large (residual-stream outliers): a backend that keeps its
+# intermediate or its output in float16 returns inf there. Only for blocks whose activations are
+# bf16 (a float16 model overflowing at 65504 is legitimate); an FP8 or NVFP4 activation scale is
+# derived from the same amax, so the inputs are inside those formats' ranges too.
+LARGE_ACTIVATION_SCALE = 256.0
 
 
 def case_seed(case_id: str, seed: int = 0) -> int:
@@ -60,6 +73,8 @@ class Shape:
     routing: str = "random"
     # "random" (about N(0, 1)) | "gelu_tail": every gate pre-activation in about [-4, -3]
     gates: str = "random"
+    # the hidden states' scale: about N(0, input_scale^2)
+    input_scale: float = 1.0
     # the backend runs as rank ep_rank of ep_size: ``experts`` is its local experts' count, the
     # layer has ``experts * ep_size``, the dispatched ids are local (0 .. experts - 1) or -1
     ep_rank: int = 0
@@ -93,6 +108,22 @@ def _ragged(near: int, m: int) -> int | None:
 def size_multiple(support: Support, fmt: F.WeightFormat) -> int:
     """The step of admitted hidden/intermediate sizes: the block's and the storage's, together."""
     return math.lcm(max(support.shape_multiple, 1), fmt.stored_as.size_multiple)
+
+
+def activation_dtype(fmt: F.WeightFormat) -> str:
+    """The activation dtype a layer of ``fmt`` is tried in: its own 16-bit storage (``float16``),
+    else ``bfloat16``."""
+    return "float16" if fmt.stored_as.element == "float16" else "bfloat16"
+
+
+def token_bound_shapes(support: Support, m: int) -> tuple[Shape, ...]:
+    """:func:`token_bound_shape`, and for a block that declares no bound, a batch past it too
+    (:data:`UNBOUNDED_PAST_CASE_TOKENS` tokens, same sizes)."""
+    at = token_bound_shape(support, m)
+    if support.max_tokens_per_forward is not None:
+        return (at,)
+    n = UNBOUNDED_PAST_CASE_TOKENS
+    return at, attrs.evolve(at, name=f"unbounded_tokens{n}", tokens=n)
 
 
 def token_bound_shape(support: Support, m: int) -> Shape:
@@ -151,13 +182,19 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         # hides inside the budget (a backend rounding its sum to bf16 every 16 columns passed)
         Shape("long_reduction", 8, _up(4096, m), _up(512, m), 2, 2),
     ]
+    if activation_dtype(fmt) != "float16":
+        # large-magnitude activations, in range for bf16 and past float16's (an intermediate or
+        # an output kept in float16 overflows to inf; a float16 model's own overflow is not
+        # asked about)
+        shapes.append(Shape("large_activations", 16, h, i, 8, 2,
+                            input_scale=LARGE_ACTIVATION_SCALE))
     rh, ri = _ragged(72, m), _ragged(40, m)
     if rh is not None and ri is not None:  # admitted sizes that are not multiples of 16
         shapes.append(Shape("not_multiple_of_16", 7, rh, ri, 6, 3))
         shapes.append(Shape("not_multiple_of_16_batch", 300, rh, ri, 6, 3))
     # the planner never sends a forward past the block's bound: neither does the suite
     shapes = [sh for sh in shapes if support.admits_tokens(sh.tokens)]
-    shapes.append(token_bound_shape(support, m))
+    shapes.extend(token_bound_shapes(support, m))
     return tuple(shapes)
 
 
@@ -182,6 +219,24 @@ class ExpertsCase:
         ra = f"-as-{self.runs_as}" if self.runs_as != self.format else ""
         return (f"{self.backend}-{self.format}{ra}-{self.activation}-{self.layout}-{self.payload}"
                 f"-{self.shape.label}")
+
+
+@attrs.frozen
+class GraphCase:
+    """A backend's ``cuda_graphs=True`` promise, on one case of one of its blocks: the case is run
+    with its forward captured and replayed in a CUDA graph (where the machine has CUDA and the
+    block runs on it), else skipped saying that the promise went unchecked."""
+
+    experts_case: ExpertsCase
+
+    @property
+    def backend(self) -> str:
+        return self.experts_case.backend
+
+    @property
+    def id(self) -> str:
+        c = self.experts_case
+        return f"{c.backend}-cuda_graphs-{c.id[len(c.backend) + 1:]}"
 
 
 @attrs.frozen
@@ -261,6 +316,21 @@ def experts_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[ExpertsC
                             if _payload_allowed(registry, runs_as, payload):
                                 out.append(ExpertsCase(spec.name, fmt, runs_as, act, layout,
                                                        payload, shape, index))
+    return out
+
+
+def graph_cases(registry: Registry, spec: ExpertsBackendSpec) -> list[GraphCase]:
+    """For a backend that declares ``cuda_graphs=True``: one case of each block (a decode-like
+    batch, else the block's first case with tokens), its capture and replay checked on CUDA."""
+    if not spec.cuda_graphs:
+        return []
+    out = []
+    every = experts_cases(registry, spec)
+    for index in range(len(spec.supports)):
+        mine = [c for c in every if c.support_index == index and c.shape.tokens]
+        pick = next((c for c in mine if c.shape.name == "batch"), mine[0] if mine else None)
+        if pick is not None:
+            out.append(GraphCase(pick))
     return out
 
 
@@ -361,3 +431,29 @@ def token_bound_cases(registry: Registry, spec: CommBackendSpec) -> list[TokenBo
         if s.max_tokens_per_rank is not None and sizes:
             out.append(TokenBoundCase(spec.name, s.mode, s.max_tokens_per_rank, sizes[0]))
     return out
+
+
+def known_case_ids(registry: Registry, names) -> list[str]:
+    """Every case id the suite generates for the backends ``names`` (and the names themselves,
+    the ids of the entry-point and factory checks)."""
+    ids = list(names)
+    for make, table in ((experts_cases, registry.experts), (graph_cases, registry.experts),
+                        (refusal_cases, registry.experts), (comm_cases, registry.comms),
+                        (token_bound_cases, registry.comms)):
+        ids += [c.id for n in names if n in table for c in make(registry, table[n].spec)]
+    return ids
+
+
+def unknown_case_ids(ids, names, only) -> str | None:
+    """The sentence for ``--case`` ids (``only``) among no case ``ids`` of the backends ``names``
+    (None if each is one): a mistyped replay id must fail naming it and a few known ids."""
+    unknown = sorted(set(only) - set(ids))
+    if not unknown:
+        return None
+    import difflib
+
+    near = [c for u in unknown for c in difflib.get_close_matches(u, ids, n=3, cutoff=0.5)]
+    examples = list(dict.fromkeys(near + [c for c in ids if c not in names]))[:5]
+    return (f"--case {', '.join(repr(u) for u in unknown)}: no case of {', '.join(names)} has "
+            f"this id ({len(ids)} known, e.g. {', '.join(repr(c) for c in examples)}); the "
+            f"replay command of a failure prints the exact id")

@@ -75,7 +75,8 @@ def run_conformance(args) -> int:
         return 2
     options = getattr(args, "plugin_options", None)
     # An unknown name is one line here, not a collection error with pytest's traceback.
-    problem = _unregistered(names, options)
+    problem = _unregistered(names, options) or (_unknown_cases(names, cases, options)
+                                                if cases else None)
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -101,6 +102,20 @@ def _unregistered(names, options) -> str | None:
     except Exception:  # strict mode's load failure: the suite reports it as it always did
         return None
     return unregistered(reg, names)
+
+
+def _unknown_cases(names, cases, options) -> str | None:
+    """The sentence for ``--case`` ids that name no case of the backends (None if all do)."""
+    from moe_runtime.plugin.manager import PluginOptions
+    from moe_runtime.plugin.registry import Registry
+    try:
+        reg = Registry.load(options=options or PluginOptions.from_environ())
+    except Exception:  # the suite reports it
+        return None
+    from moe_runtime.testing.cases import known_case_ids, unknown_case_ids
+
+    problem = unknown_case_ids(known_case_ids(reg, names), names, cases)
+    return f"conformance: {problem}" if problem else None
 
 
 def unregistered(reg, names) -> str | None:

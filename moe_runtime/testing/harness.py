@@ -68,6 +68,8 @@ def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | Non
     w13 = torch.randn((e, 2 * i, h), generator=gen) / h**0.5
     w2 = torch.randn((e, h, i), generator=gen) / i**0.5
     hidden = torch.randn((s.tokens, h), generator=gen)
+    if s.input_scale != 1.0:
+        hidden = hidden * s.input_scale
     if s.gates == "gelu_tail":
         # gate = -3.5 + about N(0, 0.2^2): a constant input column and a gate weight on it carry
         # the offset, the others the spread (up keeps its N(0, 1))
@@ -90,9 +92,11 @@ def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | Non
 
 def model_dtype(registry: Registry | None, fmt: str) -> torch.dtype:
     """The activation dtype a layer of ``fmt`` is tried in: its own 16-bit storage, else bf16."""
+    from moe_runtime.testing.cases import activation_dtype
+
     spec = registry.formats[fmt].spec if registry is not None and fmt in registry.formats else (
         {f.name: f for f in F.BUILTIN_FORMATS}[fmt])
-    return torch.float16 if spec.stored_as.element == "float16" else torch.bfloat16
+    return getattr(torch, activation_dtype(spec))
 
 
 def device_for(hardware, env: Environment) -> str:
@@ -292,7 +296,9 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
 
     replay = replay_command(case.backend, case.id, seed)
 
-    def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x, checked=False):
+    def run(backend_name: str, w, payload: str, dev: str, runs_as: str, x, checked=False,
+            route=None):
+        route = ids if route is None else route
         bspec = registry.experts_spec(backend_name)
         setup = ExpertsSetup(problem=attrs.evolve(problem, format=w.format), runs_as=runs_as,
                              payload=payload, layout=case.layout, device=dev,
@@ -302,7 +308,7 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
         # dispatched to this rank's experts (ids are local already: masked builds their blocks)
         d, handle, comm = _dispatch_locally(
             attrs.evolve(problem, num_experts=case.shape.experts), case.layout, x.to(dev),
-            ids.to(dev), tw.to(dev))
+            route.to(dev), tw.to(dev))
         d = _with_payload(d, payload, w)
         if not checked:
             out = cls(setup=setup)
@@ -348,8 +354,9 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
         # combined before any replay: a backend may hand back a buffer a replay rewrites
         eager = comm.combine(out, handle).float().cpu()
         mine = _valid_rows(d, out).clone()
+        relabelled = _relabelled(d, w.num_experts)
         try:
-            theirs = _experts_unrolled(d, neighbour.forward(_relabelled(d, w.num_experts)))
+            theirs = _experts_unrolled(d, neighbour.forward(_clone_dispatched(relabelled)))
         except Exception as exc:
             raise AssertionError(
                 f"{case.id}: {backend_name}'s forward raised {type(exc).__name__}: {exc} in a "
@@ -366,10 +373,23 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
 
             def again():  # the judged instance once more, after a third one took its weights
                 cls(setup=setup).prepare(w)
-                return comm.combine(backend.forward(pristine), handle).float().cpu()
+                return comm.combine(backend.forward(_clone_dispatched(pristine)),
+                                    handle).float().cpu()
+
+            def alone():  # a fresh instance of the judged layer: its first forward, on d
+                other = cls(setup=setup)
+                other.prepare(w)
+                return comm.combine(other.forward(_clone_dispatched(pristine)),
+                                    handle).float().cpu()
+
+            def first_on_theirs():  # the judged instance on the second one's inputs, d's order
+                out = _experts_unrolled(d, backend.forward(_clone_dispatched(relabelled)))
+                return comm.combine(out, handle).float().cpu()
 
             neighbours.append((gap, comm.combine(theirs, handle).float().cpu()
-                               if gap[0] != float("inf") else None, earlier, again))
+                               if gap[0] != float("inf") else None, earlier,
+                               {"again": again, "alone": alone,
+                                "first_on_theirs": first_on_theirs}))
         # declared capturable: what serve does with decode steps on a CUDA device
         if bspec.cuda_graphs and out.is_cuda and d.hidden.shape[0]:
             def fresh():  # a new instance: whatever the first keeps of its inputs, it lacks
@@ -396,10 +416,7 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
     if got.shape != ref.shape:
         raise AssertionError(f"{case.id}: output shape {tuple(got.shape)}, reference "
                              f"{tuple(ref.shape)}. Replay: {replay}")
-    if not torch.isfinite(got).all():
-        bad = (~torch.isfinite(got)).any(-1).nonzero().flatten().tolist()
-        raise AssertionError(f"{case.id}: output has NaN or inf in {len(bad)} of {got.shape[0]} "
-                             f"rows (first rows {bad[:5]}). Replay: {replay}")
+    _check_finite(case, got, ref, dtype, replay)
     valid = torch.where(ids >= 0, ids, weights.num_experts)  # remote slots match no expert
     weight_only = registry.formats[case.runs_as].spec.activation_payload == F.UNQUANTIZED
     emuls = [emulate_low_precision(weights, hidden, valid, tw, ref_runs_as, dtype,
@@ -415,25 +432,135 @@ def run_experts_case(registry: Registry, case: ExpertsCase, env: Environment,
                                       "the replay: the captured forward does not write it all)")
         result["ratio"] = max(result["ratio"], again["ratio"])
     result["failures"] += graph_problems
-    for (diff, scale), theirs, earlier, again in neighbours:
-        def meets(out):
-            return out is not None and not judge(case.id, out, ref, emuls, dtype,
-                                                 envelope)["failures"]
+    for (diff, scale), theirs, earlier, probes in neighbours:
+        def meets(out, ref=ref, emuls=emuls, envelope=envelope):
+            return (out is not None and bool(torch.isfinite(out).all())
+                    and not judge(case.id, out, ref, emuls, dtype, envelope)["failures"])
+
+        def right_on_theirs(out):
+            """Whether ``out`` is the judged layer's output on the second instance's inputs: the
+            reference with every token's experts numbered one on (what the relabelling does)."""
+            shifted = torch.where(ids >= 0, (ids + 1) % weights.num_experts, ids)
+            ref_s = run("reference", weights, F.UNQUANTIZED, "cpu", ref_runs_as, hidden.float(),
+                        route=shifted)
+            valid_s = torch.where(shifted >= 0, shifted, weights.num_experts)
+            emuls_s = [emulate_low_precision(weights, hidden, valid_s, tw, ref_runs_as, dtype,
+                                             stage_weights=staged)
+                       for staged in ((False, True) if weight_only else (False,))]
+            env_s = quantization_envelope(weights, hidden, valid_s, tw, ref_runs_as, dtype)
+            return meets(out, ref_s, emuls_s, env_s)
+
+        probes["right_on_theirs"] = right_on_theirs
 
         mine_meets, theirs_meets = not result["failures"], meets(theirs)
-        again_meets = (meets(again()) if not mine_meets and theirs_meets else None)
-        result["failures"].append(_state_problem(diff, scale, mine_meets, theirs_meets,
-                                                 again_meets, earlier))
+        evidence = _state_evidence(mine_meets, theirs_meets, theirs, probes, meets)
+        problem = _state_problem(diff, scale, mine_meets, theirs_meets, evidence, earlier)
+        if problem:
+            result["failures"].append(problem)
     result["device"] = device
     result["graph_replayed"] = bool(replayed)
     return result
 
 
+def graph_case_unchecked(registry: Registry, case, env: Environment) -> str | None:
+    """Why a ``cuda_graphs=True`` promise cannot be checked on this machine (None if it can): the
+    capture needs a CUDA device on which the case's block runs."""
+    spec = registry.experts_spec(case.backend)
+    support = spec.supports[case.experts_case.support_index]
+    lead = "needs a CUDA device: the cuda_graphs=True declaration is not checked here"
+    if "cuda" not in support.hardware.devices:
+        return (f"{lead} ({case.backend}'s block {case.experts_case.support_index} runs on "
+                f"{', '.join(sorted(support.hardware.devices))} only, where serve captures no "
+                f"graph; this machine: {env.device})")
+    if env.device != "cuda":
+        return f"{lead} (this machine: {env.device})"
+    failure = support.hardware.check(env)
+    if not failure:
+        return f"{lead} (this machine: {failure.message})"
+    return None
+
+
+def run_graph_case(registry: Registry, case, env: Environment, seed: int = 0) -> dict:
+    """The case of a :class:`~moe_runtime.testing.cases.GraphCase` run on CUDA, its forward
+    captured and replayed (:func:`_graph_replay`); ``ConformanceSkip`` where that cannot run."""
+    why = graph_case_unchecked(registry, case, env)
+    if why:
+        raise ConformanceSkip(why)
+    result = run_experts_case(registry, case.experts_case, env, seed)
+    if not result.get("graph_replayed"):
+        result["failures"].append(
+            f"{case.backend} declares cuda_graphs=True, but the case's forward was not captured "
+            f"(device {result.get('device')}, empty batch?)")
+    return result
+
+
+def _check_finite(case, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+                  replay: str) -> None:
+    """The output must be finite wherever the reference is (NaN or inf anywhere else fails, with
+    the reference's magnitude and, for large inputs, what overflows at it)."""
+    ref_ok = torch.isfinite(ref)
+    bad_rows = ~torch.isfinite(got) & ref_ok
+    if bad_rows.dim() >= 2:
+        bad_rows = bad_rows.flatten(1).any(-1)
+    if not bool(bad_rows.any()):
+        return
+    bad = bad_rows.nonzero().flatten().tolist()
+    big = ref[ref_ok].abs().max().item() if bool(ref_ok.any()) else 0.0
+    why = ""
+    if case.shape.input_scale != 1.0:
+        why = (f": this case's hidden states are about N(0, {case.shape.input_scale:g}^2), in "
+               f"range for {str(dtype).replace('torch.', '')}; an intermediate or output kept "
+               f"in a narrower dtype (float16's largest value is "
+               f"{torch.finfo(torch.float16).max:.0f}) overflows to inf")
+    raise AssertionError(
+        f"{case.id}: output has NaN or inf in {len(bad)} of {got.shape[0]} rows where the "
+        f"reference is finite (first rows {bad[:5]}; max |reference| {big:.3g}){why}. "
+        f"Replay: {replay}")
+
+
+def _state_evidence(mine_meets: bool, theirs_meets: bool, theirs, probes: dict,
+                    meets) -> dict:
+    """What more runs show about two instances that disagree, only the runs the verdict needs:
+
+    - ``same_as_first``: the second instance's output is what the judged one (its own weights)
+      computes, rightly, on the second's inputs, where the second should have computed with
+      other weights;
+    - ``again``: the judged instance meets the budget once a third instance is prepared with its
+      weights (every instance computes with the last prepare's);
+    - ``alone``: a fresh instance of the judged layer meets it on its first forward of the same
+      inputs (the judged instance's own earlier forward is what changed its result)."""
+    from moe_runtime.tuning.measure import replay_gap
+
+    def probe(name):
+        try:
+            return probes[name]()
+        except Exception:  # the probe is evidence only; the failure is reported as it is
+            return None
+
+    out: dict = {}
+    if mine_meets and not theirs_meets and theirs is not None:
+        # the second computes what the first computes on its inputs, and the first is right
+        # there (an output that ignores the weights, zeros say, is no evidence of sharing them)
+        first = probe("first_on_theirs")
+        out["same_as_first"] = (first is not None and first.shape == theirs.shape
+                                and not replay_gap(theirs, first)
+                                and bool(probes["right_on_theirs"](first)))
+    if not mine_meets and theirs_meets:
+        out["again"] = meets(probe("again"))
+        if not out["again"]:
+            out["alone"] = meets(probe("alone"))
+    return out
+
+
 def _state_problem(diff: float, scale: float, mine_meets: bool, theirs_meets: bool,
-                   again_meets: bool | None, earlier: Dispatched) -> str:
+                   evidence: dict, earlier: Dispatched) -> str | None:
     """Why the same inputs through two instances of one layer shape differ, in words: the judged
     instance (prepared first; the judged forward is its second) and a second one (prepared after
-    it with the experts' order rolled; its first forward, on the inputs relabelled to match)."""
+    it with the experts' order rolled; its first forward, on the inputs relabelled to match).
+
+    State is claimed only where :func:`_state_evidence` shows it; where the judged instance is
+    itself wrong against the reference and nothing shows state, nothing is added (its own failure
+    says what is wrong)."""
     if earlier.layout == F.MASKED:
         first = "its first ran on other rows, one fewer per expert"
     else:
@@ -445,23 +572,39 @@ def _state_problem(diff: float, scale: float, mine_meets: bool, theirs_meets: bo
     second = ("a second instance (another layer of the same shape, prepared after this one with "
               "the experts' order rolled; its first forward, on the same inputs relabelled)")
     if mine_meets and not theirs_meets:
-        return (f"state shared between instances: {second} misses the budget and {what}, while "
-                f"this one meets it: the second computes with the first one's weights or state "
-                f"(a module- or class-level cache, e.g. keyed by the shape, gives every layer the "
-                f"first layer's weights). {rule}")
-    if again_meets:
-        return (f"state shared between instances: this instance misses the budget once {second} "
-                f"was prepared ({what}), and meets it again once a third instance is prepared "
-                f"with this one's weights: every instance computes with the last prepare's "
-                f"weights (module- or class-level state). {rule}")
-    if again_meets is False:
-        return (f"state kept between forwards: this instance's second forward ({first}) misses "
-                f"the budget, where {second} meets it ({what}): the backend keeps something of "
-                f"an earlier forward (a grouping, a size, a buffer's contents). {rule}")
-    return (f"state: this instance (the judged forward is its second; {first}) and {second} "
-            f"disagree: the second {what}; this one {'meets' if mine_meets else 'misses'} the "
-            f"budget, the second {'meets' if theirs_meets else 'misses'} it. {rule}: nothing kept "
-            f"from an earlier forward, nothing shared between instances")
+        if evidence.get("same_as_first"):
+            return (f"state shared between instances: {second} misses the budget and {what}, "
+                    f"while this one meets it, and the second's output is what this one "
+                    f"computes on the second's inputs: the second computes with the first one's "
+                    f"weights or state (a module- or class-level cache, e.g. keyed by the shape, "
+                    f"gives every layer the first layer's weights). {rule}")
+        return (f"the two instances disagree: {second} misses the budget and {what}, while this "
+                f"one meets it. The second is the same computation with the experts numbered "
+                f"one on; possible causes: a result that depends on which expert holds which "
+                f"rows or weights (e.g. one expert's row count, offset or id read for all, wrong "
+                f"only for some expert orders), non-deterministic output, or state shared "
+                f"between instances")
+    if not mine_meets and theirs_meets:
+        if evidence.get("again"):
+            return (f"state shared between instances: this instance misses the budget once "
+                    f"{second} was prepared ({what}), and meets it again once a third instance "
+                    f"is prepared with this one's weights: every instance computes with the last "
+                    f"prepare's weights (module- or class-level state). {rule}")
+        if evidence.get("alone"):
+            return (f"state kept between forwards: this instance's second forward ({first}) "
+                    f"misses the budget, where {second} meets it ({what}) and a fresh instance "
+                    f"of this layer meets it on its first forward of the same inputs: the "
+                    f"backend keeps something of an earlier forward (a grouping, a size, a "
+                    f"buffer's contents). {rule}")
+        return (f"a fresh instance of this layer misses the budget on these inputs too, while "
+                f"{second} meets it ({what}): the error depends on which expert holds which rows "
+                f"or weights (or the output is not deterministic)")
+    if not mine_meets:  # both wrong against the reference: the budget failure says it all
+        return None
+    return (f"the two instances disagree although each meets the budget: {second} {what}. "
+            f"Possible causes: non-deterministic output (unseeded randomness, an order of "
+            f"atomic additions that changes the result by more than 1% of its scale), state "
+            f"kept from an earlier forward ({first}), or state shared between instances. {rule}")
 
 
 def _clone_dispatched(d: Dispatched) -> Dispatched:

@@ -71,21 +71,38 @@ def _selected(metafunc) -> list[str]:
     return names
 
 
+# Kinds of case that exist only where a backend promises something (``cuda_graphs=True``): where
+# none does (or ``--case`` names none of them), their test is left out, not skipped, so that a
+# backend's summary counts no skip for what it never declared.
+QUIET_WHEN_ABSENT = ("graph_case",)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "moe_absent: a conformance test with no case (left out)")
+
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = [i for i in items if i.get_closest_marker("moe_absent") is None]
+
+
 def pytest_generate_tests(metafunc):
     from moe_runtime.testing.cases import (
         comm_cases,
         experts_cases,
+        graph_cases,
         refusal_cases,
         token_bound_cases,
     )
 
-    wanted = {"experts_case", "refusal_case", "comm_case", "token_bound_case",
+    wanted = {"experts_case", "refusal_case", "comm_case", "token_bound_case", "graph_case",
               "conformance_backend"}
     if not wanted & set(metafunc.fixturenames):
         return
     reg = _registry(metafunc.config)
     names = _selected(metafunc)
     only = set(metafunc.config.getoption("moe_conformance_case") or ())
+    if only:
+        _check_case_ids(metafunc.config, reg, names, only)
 
     def param(fixture, make, table):
         if fixture not in metafunc.fixturenames:
@@ -93,6 +110,11 @@ def pytest_generate_tests(metafunc):
         cases = [c for n in names if n in table for c in make(reg, table[n].spec)]
         if only:
             cases = [c for c in cases if c.id in only]
+        if not cases and fixture in QUIET_WHEN_ABSENT:
+            # nothing promised, nothing to say: the item is dropped at collection
+            metafunc.parametrize(fixture, [pytest.param(None, marks=pytest.mark.moe_absent)],
+                                 ids=["none-declared"])
+            return
         if not cases:
             why = (f"no case of {fixture} has an id in {sorted(only)}" if only else
                    f"the declaration of {', '.join(names)} gives no {fixture} (nothing of that "
@@ -103,11 +125,31 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(fixture, cases, ids=[c.id for c in cases])
 
     param("experts_case", experts_cases, reg.experts)
+    param("graph_case", graph_cases, reg.experts)
     param("refusal_case", refusal_cases, reg.experts)
     param("comm_case", comm_cases, reg.comms)
     param("token_bound_case", token_bound_cases, reg.comms)
     if "conformance_backend" in metafunc.fixturenames:
         metafunc.parametrize("conformance_backend", names)
+
+
+_KNOWN_IDS = pytest.StashKey[dict]()
+
+
+def _check_case_ids(config, reg: Registry, names, only) -> None:
+    """``--case ID`` must name a case of the backends checked: a usage error otherwise, not a
+    green run of nothing."""
+    known = config.stash.setdefault(_KNOWN_IDS, {})
+    key = tuple(names)
+    if key not in known:
+        from moe_runtime.testing.cases import known_case_ids
+
+        known[key] = known_case_ids(reg, names)
+    from moe_runtime.testing.cases import unknown_case_ids
+
+    problem = unknown_case_ids(known[key], names, only)
+    if problem:
+        raise pytest.UsageError(problem)
 
 
 @pytest.fixture(scope="session")

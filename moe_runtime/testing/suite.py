@@ -13,10 +13,12 @@ from moe_runtime.testing.harness import (
     replay_command,
     run_comm_case,
     run_experts_case,
+    run_graph_case,
 )
 
 __all__ = [
     "test_conformance_declared_combination_matches_reference",
+    "test_conformance_declared_cuda_graphs_capture_and_replay",
     "test_conformance_undeclared_combination_is_refused",
     "test_conformance_dispatch_combine_round_trips",
     "test_conformance_batch_past_a_declared_bound_is_not_given_to_the_mode",
@@ -43,6 +45,22 @@ def test_conformance_declared_combination_matches_reference(
         f"{experts_case.id} (device {r['device']}): " + "; ".join(r["failures"])
         + f". Replay: {replay_command(experts_case.backend, experts_case.id, conformance_seed)}"
     )
+
+
+def test_conformance_declared_cuda_graphs_capture_and_replay(
+    graph_case, conformance_registry, conformance_environment, conformance_seed
+):
+    """A ``cuda_graphs=True`` backend: one case per block captured and replayed on CUDA; on a
+    machine without CUDA skipped, so that ``-rs`` and the summary say the promise went
+    unchecked."""
+    try:
+        r = run_graph_case(conformance_registry, graph_case, conformance_environment,
+                           conformance_seed)
+    except ConformanceSkip as why:
+        pytest.skip(str(why))
+    assert not r["failures"], (
+        f"{graph_case.id} (device {r['device']}): " + "; ".join(r["failures"])
+        + f". Replay: {replay_command(graph_case.backend, graph_case.id, conformance_seed)}")
 
 
 def test_conformance_undeclared_combination_is_refused(refusal_case, conformance_registry,

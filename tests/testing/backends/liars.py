@@ -325,3 +325,58 @@ class ZeroesWeightsAfterForward(ReferenceExperts):
             exact.w13.zero_()
             exact.w2.zero_()
         return out
+
+
+class OutputInFloat16(ReferenceExperts):
+    """Keeps its output in float16 whatever the model's dtype (a float16 epilogue): right on the
+    usual N(0, 1) inputs, inf where bf16 activations are large (float16's largest is 65504)."""
+
+    def forward(self, d):
+        import torch
+
+        out = super().forward(d)
+        return out.to(torch.float16).to(out.dtype)
+
+
+class BreaksAbove4096(_ZeroRowsPast):
+    """Declares no token bound, but holds 4096 rows: right at the default deployment's batch,
+    wrong past it."""
+
+    LIMIT = 4096
+
+
+class SyncsWithTheHost(ReferenceExperts):
+    """Declares cuda_graphs=True but reads a value to the host in every forward (.item())."""
+
+    def forward(self, d):
+        _ = float(d.hidden.float().sum().item())
+        return super().forward(d)
+
+
+class RemoteSlotsAsExpertZero(ReferenceExperts):
+    """Clamps the ``-1`` (remote) slots to expert 0: wrong, and without any state."""
+
+    def forward(self, d):
+        if d.topk_ids is not None:
+            d = attrs.evolve(d, topk_ids=d.topk_ids.clamp_min(0))
+        return super().forward(d)
+
+
+class MaskedFirstExpertsCount(ReferenceExperts):
+    """Masked: reads ``masked_m[0]`` as every expert's row count (no state; wrong for some expert
+    orders only)."""
+
+    def forward(self, d):
+        if d.masked_m is not None:
+            d = attrs.evolve(d, masked_m=d.masked_m[:1].expand_as(d.masked_m).clone())
+        return super().forward(d)
+
+
+class RandomOutput(ReferenceExperts):
+    """Random numbers of the right shape and dtype (no state)."""
+
+    def forward(self, d):
+        import torch
+
+        out = super().forward(d)
+        return torch.randn(out.shape).to(out.dtype)
