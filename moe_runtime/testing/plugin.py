@@ -137,17 +137,30 @@ _KNOWN_IDS = pytest.StashKey[dict]()
 
 
 def _check_case_ids(config, reg: Registry, names, only) -> None:
-    """``--case ID`` must name a case of the backends checked: a usage error otherwise, not a
-    green run of nothing."""
+    """Collect the case ids of the backends ``names`` (once per set of names); whether ``--case``
+    names one of them is checked when collection ends (:func:`pytest_collection_finish`), over
+    every module's backends."""
     known = config.stash.setdefault(_KNOWN_IDS, {})
     key = tuple(names)
     if key not in known:
         from moe_runtime.testing.cases import known_case_ids
 
         known[key] = known_case_ids(reg, names)
+
+
+def pytest_collection_finish(session):
+    """``--case ID`` must name a case of the backends checked: a usage error naming it and a few
+    known ids otherwise, not a green run of nothing."""
+    config = session.config
+    only = set(config.getoption("moe_conformance_case") or ())
+    known = config.stash.get(_KNOWN_IDS, {})
+    if not only or not known:
+        return
     from moe_runtime.testing.cases import unknown_case_ids
 
-    problem = unknown_case_ids(known[key], names, only)
+    names = [n for key in known for n in key]
+    ids = [c for v in known.values() for c in v]
+    problem = unknown_case_ids(ids, list(dict.fromkeys(names)), only)
     if problem:
         raise pytest.UsageError(problem)
 
