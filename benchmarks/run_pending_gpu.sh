@@ -26,6 +26,8 @@
 #                                                # profiles; ~8 min (carry .gpu_carry/serve_whl)
 #   bash benchmarks/run_pending_gpu.sh batch16   # issue 15: captures inside the measured waves
 #                                                # at an engine max batch of 16; ~5 min
+#   bash benchmarks/run_pending_gpu.sh correctness  # GPU tests of the engine and the triton
+#                                                # backend's conformance; ~9 min
 #   bash benchmarks/run_pending_gpu.sh defaults_theirs  # issue 15: transformers alone and
 #                                                # moe-runtime's defaults one side at a time in
 #                                                # one process (memory release); ~9 min
@@ -219,8 +221,17 @@ batch16)
     step warm32 130 python benchmarks/bench_serve.py "${common[@]}" --warmup-tokens 32 \
         --out "$OUT/warm32"
     ;;
+correctness)
+    # the code of 2026-12-07 afternoon that no GPU ran: the engine's GPU tests (the probe's
+    # finiteness hooks under CUDA graphs, capture counting, the failed-capture cleanup of b093bc5),
+    # then every declared combination of the triton backend with the suite's new cases
+    # (large_activations, 8193 tokens for unbounded blocks, cuda_graphs captures)
+    step gpu_tests 200 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        tests/serve/test_engine_cuda_graphs.py tests/serve/test_paged_attention.py
+    step conformance_triton 330 moe-runtime conformance triton -- -q -rs
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs|batch16" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs|batch16|correctness" >&2
     exit 2
     ;;
 esac
