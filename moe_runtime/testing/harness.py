@@ -92,11 +92,12 @@ def make_layer(case: ExpertsCase, gen: torch.Generator, registry: Registry | Non
 
 def model_dtype(registry: Registry | None, fmt: str) -> torch.dtype:
     """The activation dtype a layer of ``fmt`` is tried in: its own 16-bit storage, else bf16."""
+    from moe_runtime.dtypes import torch_dtype
     from moe_runtime.testing.cases import activation_dtype
 
     spec = registry.formats[fmt].spec if registry is not None and fmt in registry.formats else (
         {f.name: f for f in F.BUILTIN_FORMATS}[fmt])
-    return getattr(torch, activation_dtype(spec))
+    return torch_dtype(activation_dtype(spec))
 
 
 def device_for(hardware, env: Environment) -> str:
