@@ -1586,30 +1586,36 @@ class _Check:
                      "finite, positive scales (a scale multiplies every weight or activation it "
                      "covers: NaN, infinite, zero or negative ones give wrong outputs)")
 
+    def _scalar(self, name: str, maps: dict) -> float | None:
+        """The value of a one-element float32 tensor, read from its file (``maps``: the files
+        memory-mapped so far), or None where it is missing, misshapen or unreadable (the tensor
+        rules report those)."""
+        import numpy as np
+
+        meta, where = self.tensors.get(name), self.ranges.get(name)
+        if meta is None or where is None or meta.dtype != "F32" or where[2] - where[1] != 4:
+            return None
+        file, start, end = where
+        if file not in maps:
+            try:
+                maps[file] = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
+            except (OSError, ValueError):
+                maps[file] = None
+        if maps[file] is None:
+            return None
+        return float(np.frombuffer(maps[file][start:end].tobytes(), dtype="<f4")[0])
+
     def check_shared_scales(self, layers: list[MoELayerInfo]) -> None:
         """The scalars loading takes as one (:mod:`moe_runtime.methods`): an NVFP4 expert's gate
         and up ``weight_scale_2`` (its fused gate/up GEMM has one global scale), and the layer's
         gate/up and down ``input_scale`` (activations are quantized once, for every expert). A
         difference passed the check and stopped serve's load, after the memory was taken."""
-        import numpy as np
 
         maps: dict[str, Any] = {}
 
         def value(name: str) -> float | None:
-            meta, where = self.tensors.get(name), self.ranges.get(name)
-            if meta is None or where is None or meta.dtype != "F32" or where[2] - where[1] != 4:
-                return None  # missing or misshapen: reported by the tensor rules
-            file, start, end = where
-            if file not in maps:
-                try:
-                    maps[file] = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
-                except (OSError, ValueError):
-                    maps[file] = None
-            mm = maps[file]
-            if mm is None:
-                return None
-            v = float(np.frombuffer(mm[start:end].tobytes(), dtype="<f4")[0])
-            return None if math.isnan(v) else v  # NaN: reported by check_scales
+            v = self._scalar(name, maps)
+            return None if v is None or math.isnan(v) else v  # NaN: reported by check_scales
 
         for layer in layers:
             fmt = layer.quant.format
@@ -1664,26 +1670,14 @@ class _Check:
         ``input_scale`` times E4M3's 448. A scale past that passed the finite-and-positive rule
         and served NaN (found by an audit, 2026-12-07: ``weight_scale_2`` of 1e38 on one
         expert)."""
-        import numpy as np
 
         maps: dict[str, Any] = {}
         over: dict[str, list[tuple[str, float]]] = defaultdict(list)
-        for name, meta in self.tensors.items():
+        for name in self.tensors:
             leaf = name.rsplit(".", 1)[-1]
             reach = _SCALE_REACH.get(leaf)
-            where = self.ranges.get(name)
-            if reach is None or meta.dtype != "F32" or where is None or where[2] - where[1] != 4:
-                continue
-            file, start, end = where
-            if file not in maps:
-                try:
-                    maps[file] = np.memmap(self.folder / file, dtype=np.uint8, mode="r")
-                except (OSError, ValueError):
-                    maps[file] = None
-            if maps[file] is None:
-                continue
-            v = float(np.frombuffer(maps[file][start:end].tobytes(), dtype="<f4")[0])
-            if math.isfinite(v) and v > 0 and v * reach[0] > _F32_MAX:
+            v = self._scalar(name, maps) if reach is not None else None
+            if v is not None and math.isfinite(v) and v > 0 and v * reach[0] > _F32_MAX:
                 over[leaf].append((name, v))
         for leaf, found in over.items():
             name, v = found[0]
