@@ -226,7 +226,7 @@ NVFP4_GROUP_FIELDS = (  # column within the group -> (eem low bit, sign bit) in 
 
 
 @triton.jit
-def _e2m1_pairs_asm(packed):
+def _e2m1_pairs_asm(packed, DT: tl.constexpr = tl.float16):
     """Packed groups (bytes, four per instance = one 32-bit group of 8 codes) -> two float16
     tensors of the packed tensor's shape: element ``i`` of ``lo`` / ``hi`` is column ``c(i)`` of
     the group with ``lo = (c0, c1, c4, c5)`` and ``hi = (c2, c3, c6, c7)``, times ``2**-14``.
@@ -235,30 +235,62 @@ def _e2m1_pairs_asm(packed):
     Triton packing four consecutive, 4-aligned bytes of a row per instance, which the row tiles'
     vectorised loads (16 or more bytes per thread along K) give only under the conditions of
     ``ops._asm_decode`` (elsewhere :func:`_e2m1_pairs` runs). Checked on the H200 for every
-    config the tuned table holds (conformance suite, tests, the benchmark's reference check)."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t<4>;
-        and.b32 $0, $4, 0x8E008E00;
-        shl.b32 t0, $4, 3;
-        and.b32 $1, t0, 0x8E008E00;
-        shl.b32 t0, $4, 9;
-        shl.b32 t1, $4, 2;
-        and.b32 t1, t1, 0x80008000;
-        lop3.b32 $2, t0, 0x0E000E00, t1, 0xEA;
-        shl.b32 t2, $4, 6;
-        shl.b32 t3, $4, 1;
-        and.b32 t3, t3, 0x80008000;
-        lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r",
-        args=[packed],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
+    config the tuned table holds (conformance suite, tests, the benchmark's reference check).
+
+    ``DT = tl.bfloat16``: bfloat16 pairs instead, each the E2M1 value times ``2**-126`` (eem on
+    bits 8..6, bfloat16's two lowest exponent bits and top mantissa bit, and s on bit 15 of each
+    half), 13 operations per 8 codes from the same packed layout."""
+    if DT == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t<4>;
+            shr.b32 t0, $4, 3;
+            and.b32 t1, $4, 0x80008000;
+            lop3.b32 $0, t0, 0x01C001C0, t1, 0xEA;
+            shl.b32 t2, $4, 3;
+            and.b32 t1, t2, 0x80008000;
+            lop3.b32 $1, $4, 0x01C001C0, t1, 0xEA;
+            shl.b32 t0, $4, 6;
+            shl.b32 t1, $4, 2;
+            and.b32 t1, t1, 0x80008000;
+            lop3.b32 $2, t0, 0x01C001C0, t1, 0xEA;
+            shl.b32 t3, $4, 1;
+            and.b32 t3, t3, 0x80008000;
+            lop3.b32 $3, t2, 0x01C001C0, t3, 0xEA;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t<4>;
+            and.b32 $0, $4, 0x8E008E00;
+            shl.b32 t0, $4, 3;
+            and.b32 $1, t0, 0x8E008E00;
+            shl.b32 t0, $4, 9;
+            shl.b32 t1, $4, 2;
+            and.b32 t1, t1, 0x80008000;
+            lop3.b32 $2, t0, 0x0E000E00, t1, 0xEA;
+            shl.b32 t2, $4, 6;
+            shl.b32 t3, $4, 1;
+            and.b32 t3, t3, 0x80008000;
+            lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    return lo, hi
 
 
 @triton.jit
@@ -267,16 +299,24 @@ def _int16_halves(r):
 
 
 @triton.jit
-def _e2m1_pairs(packed, BLOCK_N: tl.constexpr, BYTES: tl.constexpr):
+def _e2m1_pairs(packed, BLOCK_N: tl.constexpr, BYTES: tl.constexpr,
+                DT: tl.constexpr = tl.float16):
     """Portable form of :func:`_e2m1_pairs_asm` (the interpreter runs no inline assembly):
     ``packed [BLOCK_N, BYTES]`` bytes, regrouped into 32-bit words explicitly."""
     b = tl.reshape(packed.to(tl.int32) & 0xFF, (BLOCK_N, BYTES // 4, 4))
     sh = tl.arange(0, 4) * 8
     w = tl.sum(b << sh[None, None, :], axis=2)  # the group's 32-bit word (bytes little-endian)
-    r0 = w & -1912566272  # 0x8E008E00
-    r1 = (w << 3) & -1912566272
-    r2 = ((w << 9) & 0x0E000E00) | ((w << 2) & -2147450880)  # 0x80008000
-    r3 = ((w << 6) & 0x0E000E00) | ((w << 1) & -2147450880)
+    if DT == tl.bfloat16:
+        # eem on bits 8..6, s on bit 15 of each half (``>>`` is arithmetic: masked after)
+        r0 = ((w >> 3) & 0x01C001C0) | (w & -2147450880)  # 0x80008000
+        r1 = (w & 0x01C001C0) | ((w << 3) & -2147450880)
+        r2 = ((w << 6) & 0x01C001C0) | ((w << 2) & -2147450880)
+        r3 = ((w << 3) & 0x01C001C0) | ((w << 1) & -2147450880)
+    else:
+        r0 = w & -1912566272  # 0x8E008E00
+        r1 = (w << 3) & -1912566272
+        r2 = ((w << 9) & 0x0E000E00) | ((w << 2) & -2147450880)  # 0x80008000
+        r3 = ((w << 6) & 0x0E000E00) | ((w << 1) & -2147450880)
     r0l, r0h = _int16_halves(r0)
     r1l, r1h = _int16_halves(r1)
     r2l, r2h = _int16_halves(r2)
@@ -286,16 +326,40 @@ def _e2m1_pairs(packed, BLOCK_N: tl.constexpr, BYTES: tl.constexpr):
     hi = tl.permute(tl.join(tl.join(r2l, r2h), tl.join(r3l, r3h)), (0, 1, 3, 2))
     lo = tl.reshape(lo, (BLOCK_N, BYTES))
     hi = tl.reshape(hi, (BLOCK_N, BYTES))
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    return lo.to(DT, bitcast=True), hi.to(DT, bitcast=True)
+
+
+@triton.jit
+def _scale_codes(vals, sbytes, DT: tl.constexpr):
+    """Decoded codes ``vals [R, G, 16]`` (:func:`_e2m1_pairs` of ``DT``) times their e4m3 block
+    scales ``sbytes [R, G]`` (bytes), as ``DT``: ``E2M1 * block_scale * 2**-7`` either way, exact.
+
+    float16: codes are ``E2M1 * 2**-14`` and the scale ``block_scale * 2**7`` (<= 57344 fits).
+    bfloat16: codes are ``E2M1 * 2**-126`` (0.5 a subnormal) and the scale ``block_scale *
+    2**119`` (<= 448 * 2**119, below bfloat16's largest 2**128); the product (at most 6
+    significant bits, at least 2**-18) is exact. It runs as ``fma.rn.bf16x2`` with -0.0 (sm_80+,
+    subnormal operands kept) rather than through whatever Triton makes of a bfloat16 multiply;
+    the interpreter runs no assembly, so callers take float16 there."""
+    if DT == tl.bfloat16:
+        s = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e+35
+        s = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], vals.shape)
+        w = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
+            constraints="=r,r,r", args=[vals, s], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        scale = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        w = vals * scale[:, :, None]
+    return w
 
 
 @triton.jit
 def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+                        DT: tl.constexpr = tl.float16):
     """``BLOCK_N`` rows (starting at element offsets ``row_off`` of the packed bytes and
-    ``srow_off`` of the scales), columns ``[k0, k0 + BLOCK_K)`` of NVFP4 matrices as float16
-    ``[BLOCK_N, BLOCK_K]``: ``E2M1 * block_scale * 2**-7`` (exact in float16 but for near-zero
-    blocks); callers multiply their accumulator by ``2**7 * scale_2``. ``w_ptr`` points at the
+    ``srow_off`` of the scales), columns ``[k0, k0 + BLOCK_K)`` of NVFP4 matrices as ``DT``
+    (float16 or bfloat16) ``[BLOCK_N, BLOCK_K]``: ``E2M1 * block_scale * 2**-7`` (exact in both,
+    :func:`_scale_codes`); callers multiply their accumulator by ``2**7 * scale_2``. ``w_ptr`` points at the
     packed bytes (``[rows, K / 2]``, laid out by :func:`ops.pack_nvfp4_for_kernels`), ``ws_ptr`` at
     the e4m3 block scales (``[rows, K / 16]``)."""
     offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -305,9 +369,9 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K:
     else:
         wb = tl.load(ptrs, mask=n_mask[:, None] & (offs_kb[None, :] < K // 2), other=0)
     if USE_ASM:  # only where the layout holds four bytes of a row per thread: ops._asm_decode
-        lo, hi = _e2m1_pairs_asm(wb)
+        lo, hi = _e2m1_pairs_asm(wb, DT)
     else:
-        lo, hi = _e2m1_pairs(wb, BLOCK_N, BLOCK_K // 2)
+        lo, hi = _e2m1_pairs(wb, BLOCK_N, BLOCK_K // 2, DT)
     # per 4-byte group: lo = columns (0, 1, 4, 5), hi = (2, 3, 6, 7); interleaving pairs of each
     # puts the columns in order, with adjacent columns in one register as the MMA operand wants
     lo2 = tl.reshape(lo, (BLOCK_N, BLOCK_K // 4, 2))
@@ -320,10 +384,7 @@ def _dequant_nvfp4_tile(w_ptr, ws_ptr, row_off, srow_off, k0, K, n_mask, EVEN_K:
         sbytes = tl.load(sptrs, mask=n_mask[:, None], other=0)
     else:
         sbytes = tl.load(sptrs, mask=n_mask[:, None] & (offs_ks[None, :] < K // 16), other=0)
-    # block scale * 2**7 fits float16 (<= 57344)
-    scale = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-    w = vals * scale[:, :, None]
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    return tl.reshape(_scale_codes(vals, sbytes, DT), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -337,7 +398,7 @@ def _load_b_tile(
     if WFMT == 2:
         w = _dequant_nvfp4_tile(w_ptr, ws_ptr, w_base + offs_n * stride_wn,
                                 ws_base + offs_n * stride_wsn, k0, K, n_mask, EVEN_K, BLOCK_N,
-                                BLOCK_K, USE_ASM)
+                                BLOCK_K, USE_ASM, compute_dtype)
         return tl.trans(w)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -351,6 +351,18 @@ def _launch_opts(cfg: dict) -> dict:
     return opts
 
 
+def nvfp4_compute_dtype(activations: torch.dtype) -> torch.dtype:
+    """The MMA dtype of NVFP4 weights (decoded exactly into either, kernels._scale_codes) with
+    activations of ``activations``: bfloat16 for bfloat16 activations, whose range the operands
+    and the intermediate between the GEMMs then keep (float16's largest value, 65504, is inside
+    what a bf16 model's gated intermediate reaches: the conformance suite's large_activations
+    case); else float16, as the interpreter always takes (it runs no inline assembly, and the
+    bfloat16 decode's scale multiply is one). float32 activations are rounded to float16."""
+    if activations == torch.bfloat16 and not INTERPRET:
+        return torch.bfloat16
+    return torch.float16
+
+
 def _activations(hidden, hidden_scale, pw: PreparedWeights, out_dtype):
     """Check the activations against the weights' format: ``(hidden in the compute dtype where it
     is 16-bit, the MMA's compute dtype, the output dtype)``."""
@@ -364,8 +376,7 @@ def _activations(hidden, hidden_scale, pw: PreparedWeights, out_dtype):
         if hidden.dtype != compute:
             hidden = hidden.to(compute)
     elif pw.wfmt == K.WFMT_NVFP4:
-        # dequantized weights are exact in float16 (see kernels._dequant_nvfp4_tile)
-        compute = torch.float16
+        compute = nvfp4_compute_dtype(hidden.dtype)
     else:
         compute = torch.float8_e4m3fn
     return hidden, compute, out_dtype

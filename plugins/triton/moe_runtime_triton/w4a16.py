@@ -224,24 +224,25 @@ def from_prepared(pw: "ops.PreparedWeights", layout: W4A16Layout | None = None) 
 
 
 @triton.jit
-def _tile(w_ptr, off, ROWS: tl.constexpr, COLS: tl.constexpr, USE_ASM: tl.constexpr):
-    """The tile at byte offset ``off`` as float16 ``[ROWS, COLS]``: ``e2m1 * block_scale * 2**-7``
-    (exact). Unmasked: tiles are whole by construction."""
+def _tile(w_ptr, off, ROWS: tl.constexpr, COLS: tl.constexpr, USE_ASM: tl.constexpr,
+          DT: tl.constexpr = tl.float16):
+    """The tile at byte offset ``off`` as ``DT`` (float16 or bfloat16) ``[ROWS, COLS]``: ``e2m1 *
+    block_scale * 2**-7`` (exact, ``kernels._scale_codes``). Unmasked: tiles are whole by
+    construction."""
     r = tl.arange(0, ROWS)
     kb = tl.arange(0, COLS // 2)
     wb = tl.load(w_ptr + off + r[:, None] * (COLS // 2) + kb[None, :])
     if USE_ASM:
-        lo, hi = K._e2m1_pairs_asm(wb)
+        lo, hi = K._e2m1_pairs_asm(wb, DT)
     else:
-        lo, hi = K._e2m1_pairs(wb, ROWS, COLS // 2)
+        lo, hi = K._e2m1_pairs(wb, ROWS, COLS // 2, DT)
     # per 8-code group: lo = columns (0, 1, 4, 5), hi = (2, 3, 6, 7)
     vals = tl.permute(tl.join(tl.reshape(lo, (ROWS, COLS // 4, 2)),
                               tl.reshape(hi, (ROWS, COLS // 4, 2))), (0, 1, 3, 2))
     vals = tl.reshape(vals, (ROWS, COLS // 16, 16))
     ks = tl.arange(0, COLS // 16)
     sb = tl.load(w_ptr + off + ROWS * COLS // 2 + r[:, None] * (COLS // 16) + ks[None, :])
-    scale = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-    return tl.reshape(vals * scale[:, :, None], (ROWS, COLS))
+    return tl.reshape(K._scale_codes(vals, sb, DT), (ROWS, COLS))
 
 
 @triton.jit
@@ -256,13 +257,13 @@ def _act_mul(g, u, ACT: tl.constexpr):
 def w4a16_decode_kernel(w_ptr, out_ptr, NR: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
                         COLS: tl.constexpr, USE_ASM: tl.constexpr):
     """Tests: every tile of one matrix set ``[E, NR, NK, chunk]`` decoded into ``[E, NR*ROWS,
-    NK*COLS]`` float16."""
+    NK*COLS]`` of ``out``'s dtype (float16 or bfloat16)."""
     e = tl.program_id(0)
     rt = tl.program_id(1)
     kt = tl.program_id(2)
     CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
     off = ((e.to(tl.int64) * NR + rt) * NK + kt) * CHUNK
-    v = _tile(w_ptr, off, ROWS, COLS, USE_ASM)
+    v = _tile(w_ptr, off, ROWS, COLS, USE_ASM, out_ptr.dtype.element_ty)
     r = rt * ROWS + tl.arange(0, ROWS)
     c = kt * COLS + tl.arange(0, COLS)
     base = e.to(tl.int64) * (NR * ROWS) * (NK * COLS)
@@ -272,11 +273,12 @@ def w4a16_decode_kernel(w_ptr, out_ptr, NR: tl.constexpr, NK: tl.constexpr, ROWS
 @triton.jit
 def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
              NK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BT: tl.constexpr,
-             EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr, KB0, KB1):
+             EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr, KB0, KB1,
+             DT: tl.constexpr):
     """GEMM 1's K loop for output tile ``j`` of expert ``e64`` over K tiles ``[KB0, KB1)``:
     ``(gate, up)`` accumulators ``[IC, BT]`` (``IC = ROWS / 2`` interleaved, else ``ROWS``) of
     ``W @ X^T``, ``X^T`` read from ``xt_ptrs [COLS, BT]`` (at K tile ``KB0``) under ``col_mask
-    [1, BT]``."""
+    [1, BT]``; the MMA's operands in ``DT``."""
     CHUNK: tl.constexpr = ROWS * COLS // 2 + ROWS * COLS // 16
     if IL:
         off = (e64 * NI + j) * (NK * CHUNK)
@@ -286,8 +288,7 @@ def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
                 xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
             else:
                 xt = tl.load(xt_ptrs, mask=col_mask & (offs_k[:, None] < H - kb * COLS), other=0.0)
-            acc = tl.dot(_tile(w_ptr, off + kb * CHUNK, ROWS, COLS, USE_ASM), xt.to(tl.float16),
-                         acc)
+            acc = tl.dot(_tile(w_ptr, off + kb * CHUNK, ROWS, COLS, USE_ASM, DT), xt.to(DT), acc)
             xt_ptrs += COLS
         # rows 2i / 2i + 1 -> gate / up of column i
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (ROWS // 2, 2, BT)), (0, 2, 1)))
@@ -301,9 +302,9 @@ def _gate_up(w_ptr, xt_ptrs, offs_k, col_mask, e64, j, H, NI: tl.constexpr,
                 xt = tl.load(xt_ptrs, mask=col_mask, other=0.0)
             else:
                 xt = tl.load(xt_ptrs, mask=col_mask & (offs_k[:, None] < H - kb * COLS), other=0.0)
-            xt = xt.to(tl.float16)
-            wg = _tile(w_ptr, off_g + kb * CHUNK, ROWS, COLS, USE_ASM)
-            wu = _tile(w_ptr, off_u + kb * CHUNK, ROWS, COLS, USE_ASM)
+            xt = xt.to(DT)
+            wg = _tile(w_ptr, off_g + kb * CHUNK, ROWS, COLS, USE_ASM, DT)
+            wu = _tile(w_ptr, off_u + kb * CHUNK, ROWS, COLS, USE_ASM, DT)
             acc_g = tl.dot(wg, xt, acc_g)
             acc_u = tl.dot(wu, xt, acc_u)
             xt_ptrs += COLS
@@ -351,7 +352,8 @@ def w4a16_gemm1_kernel(
     xt_ptrs = x_ptr + tok[None, :] * stride_xm + offs_k[:, None]
     e64 = e.to(tl.int64)
     acc_g, acc_u = _gate_up(w_ptr, xt_ptrs, offs_k, valid[None, :], e64, pid_n, H,
-                            NI, NK, ROWS, COLS, BT, EVEN_K, USE_ASM, IL, 0, NK)
+                            NI, NK, ROWS, COLS, BT, EVEN_K, USE_ASM, IL, 0, NK,
+                            inter_ptr.dtype.element_ty)
     s2 = tl.load(s2_ptr + e) * 128.0
     h = _act_mul(acc_g * s2, acc_u * s2, ACT)
     IC: tl.constexpr = ROWS // 2 if IL else ROWS
@@ -392,7 +394,7 @@ def w4a16_splitk_gemm1_kernel(
                    + col[None, :] * 0)
         acc_g, acc_u = _gate_up(w_ptr, xt_ptrs, offs_k, col[None, :] == 0, e.to(tl.int64), j, H,
                                 NI, NK, ROWS, COLS, 16, EVEN_K, USE_ASM, IL, kb0,
-                                tl.minimum(kb0 + KS, NK))
+                                tl.minimum(kb0 + KS, NK), inter_ptr.dtype.element_ty)
         g = tl.sum(tl.where(col[None, :] == 0, acc_g, 0.0), axis=1)
         u = tl.sum(tl.where(col[None, :] == 0, acc_u, 0.0), axis=1)
         tl.atomic_add(g_ptrs, g, sem="relaxed")
@@ -441,7 +443,8 @@ def w4a16_gemm2_kernel(
     for kb in range(0, NK // KU):
         for u in tl.static_range(KU):
             ht = tl.load(ht_ptrs + u * COLS)
-            w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM)
+            w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM,
+                      inter_ptr.dtype.element_ty)
             acc = tl.dot(w, ht, acc)
         ht_ptrs += KU * COLS
     rw = tl.load(topk_w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -481,7 +484,8 @@ def w4a16_pairs_down_kernel(
         for kb in range(0, NK // KU):
             for u in tl.static_range(KU):
                 ht = tl.load(ht_ptrs + u * COLS)
-                w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM)
+                w = _tile(w_ptr, off + (kb * KU + u) * CHUNK, ROWS, COLS, USE_ASM,
+                          inter_ptr.dtype.element_ty)
                 acc = tl.dot(w, ht, acc)
             ht_ptrs += KU * COLS
         coef = tl.load(topk_w_ptr + pair).to(tl.float32) * tl.load(s2_ptr + e) * 128.0
@@ -504,7 +508,7 @@ def w4a16_fused_kernel(
     TOPK: tl.constexpr, NI: tl.constexpr, NK1: tl.constexpr, NH: tl.constexpr, HP: tl.constexpr,
     ROWS1: tl.constexpr, COLS1: tl.constexpr, ROWS2: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, IL: tl.constexpr = False,
-    MMA_SYNC: tl.constexpr = False,
+    MMA_SYNC: tl.constexpr = False, DT: tl.constexpr = tl.float16,
 ):
     """Program ``(pair, j)``: ``h = act(gate_j . x) * (up_j . x)`` (``ROWS1`` intermediate
     columns), then ``acc[tok] += rw * down[:, j] @ h``; the last program of a token writes
@@ -521,14 +525,14 @@ def w4a16_fused_kernel(
         CHUNK2: tl.constexpr = ROWS2 * IC // 2 + ROWS2 * IC // 16
         e64 = e.to(tl.int64)
         acc_g, acc_u = _gate_up(w13_ptr, xt_ptrs, offs_k, col[None, :] == 0, e64, j, H,
-                                NI, NK1, ROWS1, COLS1, 16, EVEN_K, USE_ASM, IL, 0, NK1)
+                                NI, NK1, ROWS1, COLS1, 16, EVEN_K, USE_ASM, IL, 0, NK1, DT)
         s13 = tl.load(s13_ptr + e) * 128.0
         # columns 1..15 are act(0) * 0 = 0: h is GEMM 2's B operand as it stands
-        h = _act_mul(acc_g * s13, acc_u * s13, ACT).to(tl.float16)
+        h = _act_mul(acc_g * s13, acc_u * s13, ACT).to(DT)
         coef = tl.load(topk_w_ptr + pair).to(tl.float32) * tl.load(s2_ptr + e) * 128.0
         r = tl.arange(0, ROWS2)
         for hb in range(0, NH):
-            w = _tile(w2_ptr, ((e64 * NH + hb) * NI + j) * CHUNK2, ROWS2, IC, USE_ASM)
+            w = _tile(w2_ptr, ((e64 * NH + hb) * NI + j) * CHUNK2, ROWS2, IC, USE_ASM, DT)
             part = tl.sum(tl.dot(w, h), axis=1) * coef
             tl.atomic_add(acc_ptr + t * HP + hb * ROWS2 + r, part, sem="relaxed")
     tl.debug_barrier()
@@ -635,15 +639,17 @@ def _opts(cfg: dict) -> dict:
     return o
 
 
-def decode_w4a16(ww: W4A16Weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' decoded operands (tests): ``(w13 [E, 2I, H], w2 [E, H, I])`` float16, each
-    ``e2m1 * block_scale * 2**-7`` (the global scale is applied to the accumulators)."""
+def decode_w4a16(ww: W4A16Weights, dtype: torch.dtype = torch.float16
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' decoded operands (tests): ``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``
+    (float16, or bfloat16 on a GPU), each ``e2m1 * block_scale * 2**-7`` (the global scale is
+    applied to the accumulators)."""
     lo = ww.layout
     E, H, I = ww.num_experts, ww.hidden_size, ww.intermediate_size
 
     def run(t, rows, cols):
         _, nr, nk, _ = t.shape
-        out = torch.empty((E, nr * rows, nk * cols), dtype=torch.float16, device=t.device)
+        out = torch.empty((E, nr * rows, nk * cols), dtype=dtype, device=t.device)
         w4a16_decode_kernel[(E, nr, nk)](t, out, NR=nr, NK=nk, ROWS=rows, COLS=cols,
                                          USE_ASM=_use_asm(rows, cols, 4), num_warps=4)
         return out
@@ -669,7 +675,9 @@ def fused_moe_w4a16(
 ) -> torch.Tensor:
     """``[N, H]``: per token, the routing-weighted sum of its valid experts' gated MLP outputs
     (``ops.fused_moe_prepared``'s contract for token-major input; ids outside ``[0, E)`` are
-    skipped). ``hidden`` is float16, bfloat16 or float32."""
+    skipped). ``hidden`` is float16, bfloat16 or float32; the MMAs run in
+    ``ops.nvfp4_compute_dtype(hidden.dtype)`` (bfloat16 for bfloat16 activations, keeping their
+    range through the intermediate; else float16)."""
 
     def go(name, fn):
         ret = fn()
@@ -692,12 +700,14 @@ def fused_moe_w4a16(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     cfg = config or default_config(ww, N, topk)
-    if cfg.get("x_f16") and hidden.dtype != torch.float16:
-        # the kernels round the activations to float16 as they load them (the MMA's dtype); done
-        # once here instead (round to nearest even both ways, so the same values): inside the
-        # loop every warp converts the whole activation tile, which costs up to 1.5 SASS
-        # instructions per weight where the tile has few weight rows (sass_inspect: r64k256i)
-        x16 = torch.empty(hidden.shape, dtype=torch.float16, device=hidden.device)
+    compute = ops.nvfp4_compute_dtype(hidden.dtype)
+    if cfg.get("x_f16") and hidden.dtype != compute:
+        # the kernels round the activations to the MMA's dtype as they load them; done once here
+        # instead (round to nearest even both ways, so the same values): inside the loop every
+        # warp converts the whole activation tile, which costs up to 1.5 SASS instructions per
+        # weight where the tile has few weight rows (sass_inspect: r64k256i). bfloat16
+        # activations into bfloat16 MMAs need none.
+        x16 = torch.empty(hidden.shape, dtype=compute, device=hidden.device)
         go("x_f16", lambda: x16.copy_(hidden))
         hidden = x16
     lo = ww.layout
@@ -718,7 +728,7 @@ def fused_moe_w4a16(
                 ww.acc, ww.count, out, E, H, hidden.stride(0), out.stride(0),
                 TOPK=topk, NI=NI, NK1=NK1, NH=NH, HP=Hp2, ROWS1=lo.gate_up_rows,
                 COLS1=lo.gate_up_cols, ROWS2=lo.down_rows, ACT=act, EVEN_K=H == Hp1, USE_ASM=asm,
-                IL=lo.interleave, MMA_SYNC=sync,
+                IL=lo.interleave, MMA_SYNC=sync, DT=ops._TL_DTYPE[compute],
                 **_opts(cfg)))
         return out
     bt = cfg.get("BLOCK_T", BLOCK_T)
@@ -739,7 +749,7 @@ def fused_moe_w4a16(
         bexp = torch.empty(R // bt, dtype=torch.int32, device=hidden.device)
         go("route", lambda: ops.route_into(topk_ids, E, bt, sorted_ids, bexp))
         nmb = R // bt
-    inter = torch.empty((R, Ip), dtype=torch.float16, device=hidden.device)
+    inter = torch.empty((R, Ip), dtype=compute, device=hidden.device)
     fold = pairs and bool(cfg.get("fold"))
     if fold and N > ww.acc.shape[0]:
         raise ValueError(f"the folded combine takes at most {ww.acc.shape[0]} tokens, got {N}")
