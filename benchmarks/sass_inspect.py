@@ -38,11 +38,13 @@ from moe_runtime_triton import kernels as K  # noqa: E402
 _COMMON_PTRS = {"sorted_ptr": "*i32", "bexp_ptr": "*i32"}
 
 
-def _signature(kernel: str, wfmt: int, args_x_fp16: bool = False) -> tuple[object, dict, dict]:
+def _signature(kernel: str, wfmt: int, args_x_fp16: bool = False,
+               nvfp4_compute: str = "bfloat16") -> tuple[object, dict, dict]:
     w = "*u8" if wfmt == K.WFMT_NVFP4 else ("*fp8e4nv" if wfmt == K.WFMT_FP8 else "*bf16")
     ws = "*u8" if wfmt == K.WFMT_NVFP4 else "*fp32"
     act = ("*fp16" if args_x_fp16 and wfmt == K.WFMT_NVFP4 else "*bf16") if wfmt != K.WFMT_FP8 else "*fp8e4nv"
-    inter = "*fp16" if wfmt == K.WFMT_NVFP4 else ("*fp8e4nv" if wfmt == K.WFMT_FP8 else "*bf16")
+    nv = "*fp16" if nvfp4_compute == "float16" else "*bf16"
+    inter = nv if wfmt == K.WFMT_NVFP4 else ("*fp8e4nv" if wfmt == K.WFMT_FP8 else "*bf16")
     if kernel == "gemm1":
         fn = K.moe_gemm1_kernel
         sig = {"x_ptr": act, "w_ptr": w, "ws_ptr": ws, "ws2_ptr": "*fp32", "a_scale_ptr": "*fp32",
@@ -73,9 +75,9 @@ def _signature(kernel: str, wfmt: int, args_x_fp16: bool = False) -> tuple[objec
 
 
 def compile_kernel(args) -> object:
-    fn, sig, _ = _signature(args.kernel, args.wfmt, args.x_fp16)
-    ctype = {K.WFMT_NVFP4: triton.language.float16, K.WFMT_FP8: triton.language.float8e4nv}.get(
-        args.wfmt, triton.language.bfloat16)
+    fn, sig, _ = _signature(args.kernel, args.wfmt, args.x_fp16, args.nvfp4_compute)
+    ctype = {K.WFMT_NVFP4: getattr(triton.language, args.nvfp4_compute),
+             K.WFMT_FP8: triton.language.float8e4nv}.get(args.wfmt, triton.language.bfloat16)
     if args.kernel.startswith("decode"):
         consts = {"WFMT": args.wfmt, "EVEN_K": True, "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
                   "USE_ASM": args.asm}
@@ -276,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--x-fp16", action="store_true", help="GEMM 1 activations in float16")
+    ap.add_argument("--nvfp4-compute", choices=["bfloat16", "float16"], default="bfloat16",
+                    help="the MMA dtype of NVFP4 weights: bfloat16 (what bf16 activations run, "
+                         "ops.nvfp4_compute_dtype) or float16 (float16 / float32 activations)")
     ap.add_argument("--asm", action="store_true", help="NVFP4 decode by inline PTX (as on GPUs)")
     ap.add_argument("--dump", type=Path, help="write ttgir/ptx/sass here")
     args = ap.parse_args(argv)
