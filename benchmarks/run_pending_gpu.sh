@@ -28,6 +28,9 @@
 #                                                # at an engine max batch of 16; ~5 min
 #   bash benchmarks/run_pending_gpu.sh correctness  # GPU tests of the engine and the triton
 #                                                # backend's conformance; ~9 min
+#   bash benchmarks/run_pending_gpu.sh nvfp4_bf16  # NVFP4 with bf16 activations in bf16 MMAs:
+#                                                # GPU tests and NVFP4 conformance; ~9 min
+#   bash benchmarks/run_pending_gpu.sh nvfp4_bench  # their cost against fp16 MMAs; ~6 min
 #   bash benchmarks/run_pending_gpu.sh defaults_theirs  # issue 15: transformers alone and
 #                                                # moe-runtime's defaults one side at a time in
 #                                                # one process (memory release); ~9 min
@@ -230,8 +233,23 @@ correctness)
         tests/serve/test_engine_cuda_graphs.py tests/serve/test_paged_attention.py
     step conformance_triton 330 moe-runtime conformance triton -- -q -rs
     ;;
+nvfp4_bf16)
+    # bfloat16 MMAs for NVFP4 weights with bf16 activations (ops.nvfp4_compute_dtype): the
+    # decode's bit-exactness, the large-activation paths, the plugin's other GPU tests, then every
+    # declared NVFP4 combination of the triton backend (large_activations included)
+    step gpu_tests 240 python -m pytest -q -p no:cacheprovider -m gpu -rs \
+        plugins/triton/tests/test_nvfp4_bf16.py plugins/triton/tests/test_w4a16.py \
+        plugins/triton/tests/test_kernels.py
+    step conformance_nvfp4 330 moe-runtime conformance triton -- -q -rs -k nvfp4
+    ;;
+nvfp4_bench)
+    # what the bfloat16 MMAs cost against the float16 ones, same layer and values, graph-replayed
+    step bench_nvfp4_compute 560 python benchmarks/bench_nvfp4_compute.py \
+        --shapes qwen3-30b-a3b deepseek-v3 --tokens 1 16 128 1024 4096 --repeats 3 \
+        --out "$OUT/nvfp4"
+    ;;
 *)
-    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs|batch16|correctness" >&2
+    echo "usage: bash benchmarks/run_pending_gpu.sh serve|kernels|tune|conformance|w4a16|overlap|gqa|defaults|defaults_theirs|batch16|correctness|nvfp4_bf16|nvfp4_bench" >&2
     exit 2
     ;;
 esac
