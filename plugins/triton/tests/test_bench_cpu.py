@@ -90,3 +90,26 @@ def test_shapes_run_in_the_order_given_and_the_compact_table(bench, capsys):
     body = table.splitlines()[2:]
     assert body[0] == "| s | 4096 | bf16 | 1000.0 | 800.0 | mk_triton 900.0 | 1.12 (triton_grouped) |"
     assert "| skipped |" in body[1] and len(body) == 2
+
+
+def test_nvfp4_compute_bench_smoke_checks_each_path_and_names_bad_shapes(tmp_path, capsys):
+    """``benchmarks/bench_nvfp4_compute.py --smoke`` on CPU (the interpreter: float16 only): both
+    paths' rows, their outputs checked against the float32 reference, written as JSON and
+    markdown; an unknown shape is named with the known ones."""
+    import json
+
+    path = BENCH.parent / "bench_nvfp4_compute.py"
+    spec = importlib.util.spec_from_file_location("bench_nvfp4_compute", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "nvfp4_compute.json").read_text())["rows"]
+    assert {(r["tokens"], r["path"]) for r in rows} == {(1, "default"), (1, "w4a16"),
+                                                         (4, "default"), (4, "w4a16")}
+    assert all(r["fp16_err"] < 1e-2 and r["fp16_us"] > 0 for r in rows)
+    assert "| tiny | 4 | w4a16 |" in (tmp_path / "nvfp4_compute.md").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        mod.main(["--shapes", "no-such-shape", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "no-such-shape" in err and "deepseek-v3" in err
