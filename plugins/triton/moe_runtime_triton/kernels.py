@@ -241,55 +241,43 @@ def _e2m1_pairs_asm(packed, DT: tl.constexpr = tl.float16):
     bits 8..6, bfloat16's two lowest exponent bits and top mantissa bit, and s on bit 15 of each
     half), 13 operations per 8 codes from the same packed layout."""
     if DT == tl.bfloat16:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t<4>;
-            shr.b32 t0, $4, 3;
-            and.b32 t1, $4, 0x80008000;
-            lop3.b32 $0, t0, 0x01C001C0, t1, 0xEA;
-            shl.b32 t2, $4, 3;
-            and.b32 t1, t2, 0x80008000;
-            lop3.b32 $1, $4, 0x01C001C0, t1, 0xEA;
-            shl.b32 t0, $4, 6;
-            shl.b32 t1, $4, 2;
-            and.b32 t1, t1, 0x80008000;
-            lop3.b32 $2, t0, 0x01C001C0, t1, 0xEA;
-            shl.b32 t3, $4, 1;
-            and.b32 t3, t3, 0x80008000;
-            lop3.b32 $3, t2, 0x01C001C0, t3, 0xEA;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
+        asm: tl.constexpr = """
+        {
+        .reg .b32 t<4>;
+        shr.b32 t0, $4, 3;
+        and.b32 t1, $4, 0x80008000;
+        lop3.b32 $0, t0, 0x01C001C0, t1, 0xEA;
+        shl.b32 t2, $4, 3;
+        and.b32 t1, t2, 0x80008000;
+        lop3.b32 $1, $4, 0x01C001C0, t1, 0xEA;
+        shl.b32 t0, $4, 6;
+        shl.b32 t1, $4, 2;
+        and.b32 t1, t1, 0x80008000;
+        lop3.b32 $2, t0, 0x01C001C0, t1, 0xEA;
+        shl.b32 t3, $4, 1;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $3, t2, 0x01C001C0, t3, 0xEA;
+        }
+        """
     else:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t<4>;
-            and.b32 $0, $4, 0x8E008E00;
-            shl.b32 t0, $4, 3;
-            and.b32 $1, t0, 0x8E008E00;
-            shl.b32 t0, $4, 9;
-            shl.b32 t1, $4, 2;
-            and.b32 t1, t1, 0x80008000;
-            lop3.b32 $2, t0, 0x0E000E00, t1, 0xEA;
-            shl.b32 t2, $4, 6;
-            shl.b32 t3, $4, 1;
-            and.b32 t3, t3, 0x80008000;
-            lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
+        asm: tl.constexpr = """
+        {
+        .reg .b32 t<4>;
+        and.b32 $0, $4, 0x8E008E00;
+        shl.b32 t0, $4, 3;
+        and.b32 $1, t0, 0x8E008E00;
+        shl.b32 t0, $4, 9;
+        shl.b32 t1, $4, 2;
+        and.b32 t1, t1, 0x80008000;
+        lop3.b32 $2, t0, 0x0E000E00, t1, 0xEA;
+        shl.b32 t2, $4, 6;
+        shl.b32 t3, $4, 1;
+        and.b32 t3, t3, 0x80008000;
+        lop3.b32 $3, t2, 0x0E000E00, t3, 0xEA;
+        }
+        """
+    lo, hi = tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,=r,=r,r", args=[packed],
+                                       dtype=(DT.value, DT.value), is_pure=True, pack=4)
     return lo, hi
 
 
