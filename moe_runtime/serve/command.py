@@ -529,7 +529,9 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     # Ctrl+C goes to uvicorn's shutdown from here on, also before uvicorn installs its own
     # handler: otherwise asyncio.run's default handling cancels the serving task in that window
     # (mid-startup), which left the process without an exit in whole-suite test runs
-    previous_sigint = signal.signal(signal.SIGINT, handle_exit)
+    # (signal handlers can be set from the main thread only: an embedder's thread keeps its own)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigint = signal.signal(signal.SIGINT, handle_exit) if main_thread else None
     try:
         # From this line on a Ctrl+C is this try's (until server.run hands it to uvicorn): one
         # arriving as the loading thread starts ends here, through the os._exit below, never by
@@ -541,7 +543,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down for
         interrupted = True
     finally:
-        signal.signal(signal.SIGINT, previous_sigint)
+        if main_thread:
+            signal.signal(signal.SIGINT, previous_sigint)
         with lock:
             stopping.append(True)
             started = list(engines)
