@@ -251,6 +251,7 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
     compiles for any NVIDIA target with its bundled ``ptxas``): ``{variant: {kernel: facts}}``,
     ``sass_inspect.analyse``'s facts (the fused kernel's hot loop is its GEMM 1 loop)."""
     import sass_inspect
+    import triton.language as tl
     from moe_runtime_triton import w4a16 as W
 
     H, I, K = spec["H"], spec["I"], spec["K"]
@@ -266,17 +267,19 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
         asm2 = W._use_asm(lo.down_rows, lo.down_cols, warps)
         ku = W.down_unroll(ni, lo.down_cols)
         per_step = (1 if lo.interleave else 2) * lo.gate_up_rows * lo.gate_up_cols
+        # the activations' dtype is the MMAs' and the intermediate's (ops.nvfp4_compute_dtype):
+        # bf16 as a bf16 model runs them, float16 with x_f16 (a float16 model's kernels)
         x = "*fp16" if cfg.get("x_f16") else "*bf16"
         with W._mma(cfg) as sync:
             g1 = sass_inspect.compile_jit(W.w4a16_gemm1_kernel, {
-                "x_ptr": x, "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": "*fp16",
+                "x_ptr": x, "w_ptr": "*u8", "s2_ptr": "*fp32", "inter_ptr": x,
                 "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "E": "i32", "H": "i32",
                 "num_m_blocks": "i32", "topk": "i32", "stride_xm": "i32", "stride_im": "i32"},
                 {"NI": ni, "NK": nk1, "ROWS": lo.gate_up_rows, "COLS": lo.gate_up_cols,
                  "BT": 16, "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1,
                  "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
             g2 = sass_inspect.compile_jit(W.w4a16_gemm2_kernel, {
-                "inter_ptr": "*fp16", "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
+                "inter_ptr": x, "w_ptr": "*u8", "s2_ptr": "*fp32", "topk_w_ptr": "*fp32",
                 "y_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32",
                 "E": "i32", "H": "i32", "num_m_blocks": "i32", "stride_im": "i32", "stride_ym": "i32"},
                 {"NH": nh, "NK": ni, "ROWS": lo.down_rows, "COLS": lo.down_cols, "BT": 16,
@@ -289,11 +292,12 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
                 {"TOPK": K, "NI": ni, "NK1": nk1, "NH": nh, "HP": nh * lo.down_rows,
                  "ROWS1": lo.gate_up_rows, "COLS1": lo.gate_up_cols, "ROWS2": lo.down_rows,
                  "ACT": 0, "EVEN_K": H % lo.gate_up_cols == 0, "USE_ASM": asm1 and asm2,
-                 "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
+                 "IL": lo.interleave, "MMA_SYNC": sync,
+                 "DT": tl.float16 if x == "*fp16" else tl.bfloat16}, warps, stages, arch, ("H",))
             if "split_k" in over:
                 sk = sass_inspect.compile_jit(W.w4a16_splitk_gemm1_kernel, {
                     "x_ptr": x, "ids_ptr": "*i32", "w_ptr": "*u8", "s2_ptr": "*fp32",
-                    "inter_ptr": "*fp16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
+                    "inter_ptr": x, "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
                     "E": "i32", "H": "i32", "topk": "i32", "stride_xm": "i32",
                     "stride_im": "i32"},
                     {"NI": ni, "NK": nk1, "KS": 2, "SPLIT": -(-nk1 // 2),
@@ -302,7 +306,7 @@ def compile_counts(spec, variants, layouts=LAYOUTS, arch=90):
                      "IL": lo.interleave, "MMA_SYNC": sync}, warps, stages, arch, ("H",))
             if over.get("fold"):
                 fd = sass_inspect.compile_jit(W.w4a16_pairs_down_kernel, {
-                    "inter_ptr": "*fp16", "ids_ptr": "*i32", "w_ptr": "*u8", "s2_ptr": "*fp32",
+                    "inter_ptr": x, "ids_ptr": "*i32", "w_ptr": "*u8", "s2_ptr": "*fp32",
                     "topk_w_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
                     "out_ptr": "*bf16", "P": "i32", "E": "i32", "H": "i32", "stride_im": "i32",
                     "stride_om": "i32"},

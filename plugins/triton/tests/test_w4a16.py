@@ -366,9 +366,11 @@ def test_mma_sync_sets_triton_switch_only_around_launches(monkeypatch, before):
                     "for sm_90 where Triton runs compiled (GPU runs, or TRITON_INTERPRET=0)")
 def test_sm90_compile_keeps_decoded_tile_in_registers_with_mma_sync():
     """Compiled for sm_90 on this machine (Triton's bundled ptxas): with ``mma_sync`` GEMM 1's
-    dot is mma.sync with no shared-memory round trip of the decoded tile in its loop; as wgmma
-    (the first GPU run's configuration) the tile goes through shared memory every K step and the
-    staging leaves fewer CTAs per SM (the profile in benchmarks/RESULTS.md)."""
+    dot is mma.sync with no shared-memory round trip of the decoded tile in its loop and no
+    spills; as wgmma (the first GPU run's configuration) fewer CTAs fit an SM. Why depends on the
+    compiler: Triton 3.6 (the GPU's) stages the decoded tile through shared memory every K step
+    (the profile in benchmarks/RESULTS.md); Triton 3.9 keeps it in registers as wgmma's A operand
+    but at 255 registers a thread. Either way the tile costs the wgmma kernel occupancy."""
     import importlib.util
     from pathlib import Path
 
@@ -383,6 +385,8 @@ def test_sm90_compile_keeps_decoded_tile_in_registers_with_mma_sync():
         layouts={"r": (128, 128, 128, 128)})
     sync, wg = facts["sync"]["gemm1"], facts["wgmma"]["gemm1"]
     assert sync["mma"] == "mma.sync" and sync["loop_round_trips"] == 0
-    assert wg["mma"] == "wgmma" and wg["loop_round_trip_bytes"] >= 2 * 128 * 128 * 2
+    assert wg["mma"] == "wgmma"
+    assert (wg["loop_round_trip_bytes"] >= 2 * 128 * 128 * 2
+            or wg["ctas_limited_by"] == "registers"), wg
     assert sync["ctas_per_sm"] > wg["ctas_per_sm"]
     assert sync["local"] == 0  # no register spills
