@@ -398,6 +398,27 @@ def _requires(supports) -> frozenset[str]:
     return frozenset(m for s in supports for m in s.hardware.requires)
 
 
+def factory_module(factory: str) -> str:
+    """The top-level module a ``"module:Class"`` factory imports (``"pkg"`` for ``"pkg.sub:C"``)."""
+    return factory.partition(":")[0].split(".")[0]
+
+
+def check_factory(spec, environment: Environment | None) -> Verdict:
+    """Whether the top-level module of ``spec``'s factory is importable on ``environment``: a
+    backend whose declarations are registered but whose package is not installed (a plugin's entry
+    point left behind, a declaration-only distribution) is refused at planning with what to
+    install, not picked and then failing at load. Checked where the environment was probed for
+    that module (:meth:`Environment.probe` with ``Registry.required_modules()``, as every command
+    does); a described target or a hand-built environment assumes it."""
+    module = factory_module(spec.factory)
+    env = environment
+    if env is None or env.available is None or module not in env.checked or module in env.available:
+        return ACCEPTED
+    return Verdict(Reason.MISSING_DEPENDENCY, (
+        f"its factory {spec.factory!r} imports the module {module!r}, which is not importable "
+        "here; install the distribution that provides it"))
+
+
 @attrs.frozen
 class ExpertsBackendSpec:
     """An experts (compute) backend.

@@ -29,12 +29,17 @@ class Environment:
         when they were not checked (a target described by hand): requirements are then assumed met
         and the plan says so.
     :param name: a label for people (``"NVIDIA H200"``, ``"target sm100"``).
+    :param checked: the modules :meth:`probe` looked for (``available`` is the importable part);
+        empty for an environment built by hand or read back. Not part of equality or the
+        fingerprint: it says what was looked at, ``available`` what was found.
     """
 
     device: str
     capability: tuple[int, int] | None = None
     available: frozenset[str] | None = attrs.field(default=None, converter=_fs_or_none)
     name: str = ""
+    checked: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, eq=False,
+                                          repr=False)
 
     @property
     def described(self) -> str:
@@ -72,7 +77,8 @@ class Environment:
         """Look at this machine once: the torch device and which of ``modules`` are importable."""
         import torch
 
-        available = frozenset(m for m in modules if _importable(m))
+        modules = frozenset(modules)
+        available = frozenset(m for m in modules if importable(m))
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         kind = device.split(":")[0]
@@ -81,10 +87,10 @@ class Environment:
                 raise ValueError(f"device {device!r} was asked for but CUDA is not available here")
             index = torch.device(device).index or 0
             cap = tuple(torch.cuda.get_device_capability(index))
-            return cls("cuda", cap, available, torch.cuda.get_device_name(index))
+            return cls("cuda", cap, available, torch.cuda.get_device_name(index), modules)
         if kind != "cpu":
             raise ValueError(f"device {device!r} is not supported; use 'cpu' or 'cuda[:N]'")
-        return cls("cpu", None, available, "cpu")
+        return cls("cpu", None, available, "cpu", modules)
 
     @classmethod
     def for_target(cls, target: str) -> Environment:
@@ -105,7 +111,8 @@ class Environment:
         return cls("cuda", cap, None, f"target {target}")
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether the top-level ``module`` can be imported here (found, not imported)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

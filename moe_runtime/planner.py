@@ -22,6 +22,7 @@ from moe_runtime.declarations import (
     ExpertsBackendSpec,
     Reason,
     Support,
+    check_factory,
     is_bytes_per_weight,
 )
 from moe_runtime.environment import Environment
@@ -311,6 +312,8 @@ def evaluate_experts(
     against each block's ``max_tokens_per_forward`` (``None``: not checked)."""
     blocks = spec.accepting(p, env, allow_degradation=allow_degradation,
                             tokens_per_forward=tokens)
+    if blocks and not (importable := check_factory(spec, env)):
+        return [], (importable.reason, importable.message)
     if blocks:
         return [_ExpertsOption(spec, s, s.runs(p.format)) for s in blocks], None
     v = spec.check(p, env, allow_degradation=allow_degradation, tokens_per_forward=tokens)
@@ -326,6 +329,8 @@ def evaluate_comm(
     when another mode of the backend covers the rest (see :func:`plan_layer`).
     """
     modes = spec.accepting(env, world_size=dep.ep_size)
+    if modes and not (importable := check_factory(spec, env)):
+        return [], (importable.reason, importable.message)
     if modes:
         return modes, None
     v = spec.check(env, world_size=dep.ep_size)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from moe_runtime import formats as F
-from moe_runtime.declarations import CommBackendSpec, ExpertsBackendSpec
+from moe_runtime.declarations import CommBackendSpec, ExpertsBackendSpec, factory_module
 from moe_runtime.plugin.manager import (
     MoEPluginManager,
     PluginError,
@@ -222,6 +222,7 @@ class Registry:
         out: set[str] = set()
         for reg in list(self.experts.values()) + list(self.comms.values()):
             out |= reg.spec.requires()
+            out.add(factory_module(reg.spec.factory))
         return frozenset(out)
 
     def experts_spec(self, name: str) -> ExpertsBackendSpec:
