@@ -372,7 +372,8 @@ class _Server:
         streams = [self.engine.generate(job.prompt_ids, max_tokens=job.max_tokens,
                                         sampling=job.sampling,
                                         request_id=engine_id if len(jobs) == 1 else
-                                        f"{engine_id}-{job.index}", **stops)
+                                        f"{engine_id}-{job.index}",
+                                        group=engine_id if len(jobs) > 1 else None, **stops)
                    for job in jobs]
         if req.stream:
             events = self._events(request, route, req, jobs, streams, rid, created, chat=chat)

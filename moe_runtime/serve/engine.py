@@ -244,6 +244,12 @@ class Engine:
         self._room_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._room_lock = threading.Lock()
         self.sampler.on_room = self._wake_room
+        # the prompts and choices of one HTTP request (generate's ``group``) submitted at once:
+        # a batch running and a batch queued (a sequence that ends is replaced without waiting
+        # for this loop), so one request of many prompts holds that much of the queue and a later
+        # request is not behind all of it ([semaphore, users] per group)
+        self.group_limit = 2 * self.batch_cap
+        self._groups: dict[str, list] = {}
         self.debug = debug
         # continuous batching's small steps attend without repeating keys (paged_attention.py)
         # on a CUDA device all three are on unless turned off (measured: RESULTS.md)
@@ -562,7 +568,7 @@ class Engine:
                        sampling: SamplingParams, stop: Sequence[str] = (),
                        request_id: str | None = None, stop_token_ids: Sequence[int] = (),
                        ignore_eos: bool = False, include_stop_str: bool = False,
-                       skip_special_tokens: bool = True,
+                       skip_special_tokens: bool = True, group: str | None = None,
                        _probe: bool = False) -> AsyncIterator[Delta]:
         """Stream one request's deltas, one for each new token (its text empty while the
         detokenizer holds an incomplete character or a possible stop string back); the last one
@@ -577,7 +583,11 @@ class Engine:
         transformers' continuous batching (CUDA-graph decode included).
 
         A request that needs a sampler row waits (in this coroutine, before it is submitted)
-        while every row may be taken, so no burst can exhaust them. Closing the iterator early
+        while every row may be taken, so no burst can exhaust them. Requests of one ``group``
+        (the prompts and choices of one HTTP request) are submitted at most
+        :attr:`group_limit` (two batches) at a time, the rest waiting here: a request of a
+        thousand prompts then holds two batches' share of the queue, and a request that comes
+        after it starts within a batch's worth of its sequences ending, not after all of them. Closing the iterator early
         (the client went away) cancels the request in the batch.
         """
         manager = self._manager
@@ -602,8 +612,14 @@ class Engine:
         slot = None
         finished = False
         submitted = False
+        gate, held = None, False
         started = last_at = time.perf_counter()  # time to first token counts a wait for a row
         try:
+            if group is not None:
+                gate = self._groups.setdefault(group, [asyncio.Semaphore(self.group_limit), 0])
+                gate[1] += 1
+                await gate[0].acquire()
+                held = True
             slot = await self._open_slot(sampling, prompt_ids)
             kwargs = {SLOT_KWARG: slot} if slot >= 0 else {}
             self._slots[request_id] = slot
@@ -664,6 +680,12 @@ class Engine:
             if submitted and not finished:
                 manager.cancel_request(request_id)
                 self._forget(request_id)
+            if gate is not None:
+                if held:
+                    gate[0].release()
+                gate[1] -= 1
+                if not gate[1]:
+                    self._groups.pop(group, None)
 
     async def _open_slot(self, sampling: SamplingParams, prompt_ids: Sequence[int]) -> int:
         """The request's sampler key, waiting while ``max_slots`` requests may hold rows."""
