@@ -140,6 +140,13 @@ class CapabilityRange:
         default=None, converter=attrs.converters.optional(parse_capability)
     )
 
+    def __attrs_post_init__(self):
+        if self.max is not None and self.max < self.min:
+            raise ValueError(
+                f"CapabilityRange({format_capability(self.min)!r}, {format_capability(self.max)!r})"
+                ": the upper bound is below the lower one, so no device is in it; accepted: "
+                "min <= max (CapabilityRange.exactly('9.0') for one capability)")
+
     @classmethod
     def exactly(cls, cap: str | tuple[int, int]) -> CapabilityRange:
         return cls(cap, cap)
@@ -166,7 +173,16 @@ class Hardware:
 
     devices: frozenset[str] = attrs.field(converter=_fs, default=frozenset({"cpu", "cuda"}))
     cuda_capabilities: tuple[CapabilityRange, ...] = attrs.field(converter=_tuple, default=())
-    requires: tuple[str, ...] = attrs.field(converter=_tuple, default=())
+    requires: tuple[str, ...] = attrs.field(converter=lambda v: (v,) if isinstance(v, str)
+                                            else tuple(v), default=())
+
+    @requires.validator
+    def _check_requires(self, _attr, value):
+        bad = [m for m in value if not isinstance(m, str) or not re.fullmatch(r"[A-Za-z_]\w*", m)]
+        if bad:
+            raise ValueError(
+                f"Hardware(requires={list(value)!r}): {bad[0]!r} is not a top-level module name; "
+                "accepted: names such as 'triton' or 'deep_ep' (a string or a list of them)")
 
     @devices.validator
     def _check_devices(self, _attr, value):

@@ -179,8 +179,9 @@ class Registry:
             raise _PluginFault(plugin,
                 f"{block}, declares unknown activation(s) {', '.join(map(repr, unknown))}; known "
                 f"activations: {sorted(F.ACTIVATIONS)}")
-        if not s.activations or not s.layouts or not s.payloads:
-            empty = [f for f in ("activations", "layouts", "payloads") if not getattr(s, f)]
+        if not s.formats or not s.activations or not s.layouts or not s.payloads:
+            empty = [f for f in ("formats", "activations", "layouts", "payloads")
+                     if not getattr(s, f)]
             raise _PluginFault(plugin, f"{block}, declares no {', no '.join(empty)}; a block "
                                        "promises every combination of its sets")
         if s.runs_as is not None:

@@ -587,8 +587,8 @@ class Engine:
         (the prompts and choices of one HTTP request) are submitted at most
         :attr:`group_limit` (two batches) at a time, the rest waiting here: a request of a
         thousand prompts then holds two batches' share of the queue, and a request that comes
-        after it starts within a batch's worth of its sequences ending, not after all of them. Closing the iterator early
-        (the client went away) cancels the request in the batch.
+        after it starts within a batch's worth of its sequences ending, not after all of them.
+        Closing the iterator early (the client went away) cancels the request in the batch.
         """
         manager = self._manager
         if manager is None or not (self._running if _probe else self.healthy):

@@ -21,8 +21,10 @@ PLUGIN = '''
     @hookimpl
     def moe_runtime_register_backends(register):
         register(ExpertsBackendSpec(name="{name}", factory="{name}_mod.impl:Cls", priority=-5,
-                                    supports=[{support}]))
+                                    supports=[{support}]{extra}))
 '''
+
+EXTRA: dict[str, str] = {}  # backend keywords beside the block, by plugin name
 
 # plugin name -> (Support block, what the failure must say)
 BAD = {
@@ -48,6 +50,15 @@ BAD = {
     "bad_capability": ('Support(formats=["bf16"], hardware=Hardware(devices=["cuda"], '
                        'cuda_capabilities=[CapabilityRange("nine")]))',
                        "compute capability 'nine' is not of the form MAJOR.MINOR"),
+    # an empty set of formats crashed the conformance suite's collection (IndexError)
+    "bad_no_formats": ('Support(formats=[])', "declares no formats; a block promises every "
+                       "combination of its sets"),
+    "bad_inverted_range": ('Support(formats=["bf16"], hardware=Hardware(devices=["cuda"], '
+                           'cuda_capabilities=[CapabilityRange("9.0", "8.0")]))',
+                           "CapabilityRange('9.0', '8.0'): the upper bound is below the lower "
+                           "one, so no device is in it"),
+    "bad_requires": ('Support(formats=["bf16"], hardware=Hardware(requires=["flashinfer.jit"]))',
+                     "'flashinfer.jit' is not a top-level module name"),
 }
 
 
@@ -55,10 +66,11 @@ BAD = {
 def bad_site(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_declarations")
     srcs = [build_plugin_dist(root, f"moe-runtime-{name.replace('_', '-')}", f"{name}_mod", name,
-                              PLUGIN.format(name=name, support=support))
+                              PLUGIN.format(name=name, support=support,
+                                            extra=EXTRA.get(name, "")))
             for name, (support, _) in BAD.items()]
     srcs.append(build_plugin_dist(root, "moe-runtime-good-one", "good_one_mod", "good_one",
-                                  PLUGIN.format(name="good_one",
+                                  PLUGIN.format(name="good_one", extra="",
                                                 support='Support(formats=["bf16"])')))
     pip_install_target(srcs, root / "site")
     return root / "site"
@@ -168,3 +180,9 @@ def test_a_factory_that_does_not_import_names_the_backend_and_the_cause():
     with pytest.raises(AttributeError, match=r"module 'moe_runtime.formats' has no attribute 'Nope'"):
         load_factory("moe_runtime.formats:Nope", "b")
     assert load_factory("moe_runtime.declarations:Support") is Support
+
+
+def test_one_required_module_may_be_a_string():
+    # as formats="bf16" is one format: "torch" was split into the modules t, o, r, c, h
+    assert Hardware(requires="torch").requires == ("torch",)
+    assert Hardware(requires=["torch", "triton"]).requires == ("torch", "triton")
