@@ -268,9 +268,20 @@ class _Server:
                           field, "context_length_exceeded")
         return requested
 
-    def _prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
+    async def _prompt_ids(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.engine.encode_prompt(prompt, add_special_tokens=add_special_tokens)
+            # refused before tokenizing where its length alone says it cannot fit; tokenized on
+            # a worker thread (the tokenizer releases the GIL), so that a megabyte of prompt
+            # does not hold /health and every other request for the half second it takes
+            floor, longest = self.engine.token_floor(prompt)
+            ctx = self.engine.context_length
+            if floor > ctx:
+                raise invalid(f"this model's maximum context length is {ctx} tokens; the prompt "
+                              f"has {clip(len(prompt))} characters, so at least {floor} tokens "
+                              f"(no token of this tokenizer covers more than {longest}); it was "
+                              "not tokenized", "prompt", "context_length_exceeded")
+            ids = await asyncio.to_thread(self.engine.encode_prompt, prompt,
+                                          add_special_tokens=add_special_tokens)
         else:
             vocab = self.engine.loaded.model.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -325,7 +336,7 @@ class _Server:
                           "alone", "echo", "unsupported_echo_logprobs")
         jobs = []
         for p, prompt in enumerate(req.prompts()):
-            ids = self._prompt_ids(prompt, req.add_special_tokens is not False)
+            ids = await self._prompt_ids(prompt, req.add_special_tokens is not False)
             max_tokens = self._budget(ids, req.requested_max_tokens, DEFAULT_COMPLETION_TOKENS,
                                       req.min_tokens, req.max_tokens_field)
             echo, echo_logprobs = "", ()
@@ -344,7 +355,8 @@ class _Server:
         self._check_model(req.model)
         engine = self._ready_engine()
         try:
-            prompt_ids = engine.encode_chat(req.chat_messages(), req.template_kwargs())
+            prompt_ids = await asyncio.to_thread(engine.encode_chat, req.chat_messages(),
+                                                 req.template_kwargs())
         except ValueError as exc:
             raise invalid(clip(str(exc), 1000), "messages") from None
         max_tokens = self._budget(prompt_ids, req.requested_max_tokens, None, req.min_tokens,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import queue
@@ -540,6 +541,22 @@ class Engine:
         return min(1.0, used / self.kv_cache_tokens)
 
     # ------------------------------------------------------------------------------ prompts
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token of the vocabulary spells (byte-level BPE spells a byte
+        as one character, so this bounds the text one token covers)."""
+        try:
+            return max(1, max(len(t) for t in self.tokenizer.get_vocab()))
+        except Exception:  # a tokenizer without a vocabulary to list: no floor
+            return 0
+
+    def token_floor(self, text: str) -> tuple[int, int]:
+        """``(a floor on the tokens of text, the longest token's characters)``, from its length
+        alone: each token covers at most the longest token's characters, and a quarter of that
+        floor is taken to allow for a normalizer that drops characters. ``(0, 0)``: unknown."""
+        longest = self._longest_token
+        return (len(text) // (4 * longest) if longest else 0), longest
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
