@@ -245,6 +245,12 @@ def _check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"--target-device: {exc}") from None
 
 
+def _abort_running(engines: list, sig: int) -> None:
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    for engine in list(engines):
+        engine.abort_all(f"the server is shutting down ({name}); the request was not finished")
+
+
 def check_target_device(target: str, device: str) -> None:
     """Refuse ``--target-device`` unless it describes ``device``, the device serve runs on."""
     from moe_runtime.environment import Environment
@@ -467,6 +473,14 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, source: ServeSource
     uvicorn_handle_exit = server.handle_exit
 
     def handle_exit(sig, frame) -> None:
+        if not signals:
+            # a little before uvicorn's graceful-shutdown deadline cancels the running requests
+            # (a traceback each, and a cut stream or an empty reply), answer them: a 503, or a
+            # stream's error event, and an access line, as the engine is stopping
+            delay = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 2))
+            timer = threading.Timer(delay, _abort_running, (engines, sig))
+            timer.daemon = True
+            timer.start()
         signals.append(sig)
         uvicorn_handle_exit(sig, frame)
 

@@ -86,6 +86,13 @@ class ReadinessError(RuntimeError):
     """The start-up generation of one token failed; the message is one paragraph for people."""
 
 
+class _Abort:
+    """Put in a request's output queue by :meth:`Engine.abort_all`."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 @attrs.frozen
 class Delta:
     """One step of a response: new text, and the reason it ended on the last one.
@@ -251,6 +258,8 @@ class Engine:
         # request is not behind all of it ([semaphore, users] per group)
         self.group_limit = 2 * self.batch_cap
         self._groups: dict[str, list] = {}
+        # each generate's output queue and its loop, for abort_all (a shutdown ending them)
+        self._live: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.debug = debug
         # continuous batching's small steps attend without repeating keys (paged_attention.py)
         # on a CUDA device all three are on unless turned off (measured: RESULTS.md)
@@ -617,6 +626,7 @@ class Engine:
             raise PromptRejected(f"the prompt is {problem}; the request was not submitted")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
+        self._live[request_id] = (asyncio.get_running_loop(), outputs)
         if sampling.seed is None and self._seeds is not None and not _probe:
             sampling = attrs.evolve(sampling, seed=self._seeds.getrandbits(63))
         stops = tuple(dict.fromkeys([*(() if ignore_eos else self.eos_token_ids),
@@ -653,6 +663,8 @@ class Engine:
                 raise EngineUnavailable("the generation engine is stopping")
             while True:
                 out = await outputs.get()
+                if isinstance(out, _Abort):
+                    raise EngineUnavailable(out.reason)
                 if out.error is not None:
                     raise EngineError(out.error)
                 tokens = tuple(out.generated_tokens)
@@ -689,6 +701,7 @@ class Engine:
                     yielded = len(tokens)
                     yield Delta(text, tokens, None, first_token_s, logprobs)
         finally:
+            self._live.pop(request_id, None)
             self._held.pop(request_id, None)
             self._started.discard(request_id)
             self._slots.pop(request_id, None)
@@ -703,6 +716,16 @@ class Engine:
                 gate[1] -= 1
                 if not gate[1]:
                     self._groups.pop(group, None)
+
+    def abort_all(self, reason: str) -> int:
+        """End every running :meth:`generate` with :class:`EngineUnavailable` (``reason``), from
+        any thread: a shutdown's deadline answers its requests (a 503, or a stream's error event)
+        instead of leaving them to be cancelled mid-write. Returns how many were running."""
+        live = list(self._live.values())
+        for loop, outputs in live:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                loop.call_soon_threadsafe(outputs.put_nowait, _Abort(reason))
+        return len(live)
 
     async def _open_slot(self, sampling: SamplingParams, prompt_ids: Sequence[int]) -> int:
         """The request's sampler key, waiting while ``max_slots`` requests may hold rows."""
@@ -761,6 +784,7 @@ class Engine:
             raise EngineUnavailable("prompt log-probabilities need the dynamic-cache batcher")
         request_id = f"score-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
+        self._live[request_id] = (asyncio.get_running_loop(), outputs)
         manager.register_result_handler(request_id, outputs.put_nowait)
         if manager.add_scoring(list(prompt_ids), request_id, top) is None:
             raise EngineUnavailable("the generation engine is stopping")
