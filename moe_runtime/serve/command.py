@@ -246,7 +246,10 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _abort_running(engines: list, sig: int) -> None:
-    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:  # not a signal number Python names
+        name = str(sig)
     for engine in list(engines):
         engine.abort_all(f"the server is shutting down ({name}); the request was not finished")
 
