@@ -34,8 +34,9 @@ UNBOUNDED_CASE_TOKENS = 256
 CASE_WORLD_SIZES = (1, 2, 3, 4)
 # The batch an experts block without a declared token bound is run at once: what the planner's
 # default deployment sends one forward (``Deployment().max_tokens_per_rank``), past every other
-# shape's 512 tokens, with small sizes so it stays fast on a CPU. (At 2048 a kernel with a fixed
-# 2048-row workspace passed, and the planner chose it for the default 4096-token deployment.)
+# shape's batch (at most 2049 tokens), with small sizes so it stays fast on a CPU. (At 2048 a
+# kernel with a fixed 2048-row workspace passed, and the planner chose it for the default
+# 4096-token deployment.)
 UNBOUNDED_CASE_TOKENS_PER_FORWARD = Deployment().max_tokens_per_rank
 # The largest batch an experts case sends; a declared bound above it is run at this size and the
 # case id says so (``token_bound-16384-of-65536``).
@@ -181,6 +182,16 @@ def shapes_for(support: Support, fmt: F.WeightFormat) -> tuple[Shape, ...]:
         # model dtype loses about sqrt(K / 16) roundings' worth of precision, which K <= 128
         # hides inside the budget (a backend rounding its sum to bf16 every 16 columns passed)
         Shape("long_reduction", 8, _up(4096, m), _up(512, m), 2, 2),
+        # real models' widths past the long reduction's: DeepSeek-V3's hidden size (7168, not a
+        # power of two) and Mixtral's intermediate size (14336), each with the other side small
+        # so the case stays cheap (a kernel with a fixed 4096-wide buffer, or an index or a grid
+        # dimension that overflows past it, passed every other shape)
+        Shape("wide_hidden", 4, _up(7168, m), _up(64, m), 2, 2),
+        Shape("wide_intermediate", 4, _up(128, m), _up(14336, m), 2, 2),
+        # batches between the 512 of the shapes above and the 4096 of the token bound, each one
+        # past a power of two (a backend wrong from 600 to 4095 tokens passed every other case)
+        Shape("mid_batch1025", 1025, h, i, 8, 2),
+        Shape("mid_batch2049", 2049, h, i, 8, 2),
     ]
     if activation_dtype(fmt) != "float16":
         # large-magnitude activations, in range for bf16 and past float16's (an intermediate or

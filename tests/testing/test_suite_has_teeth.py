@@ -51,6 +51,10 @@ LIARS = {
                          'hardware=CPU)'),
     "liar_no_bound_past_512": ("BreaksAbove512", 'Support(formats=["bf16"], hardware=CPU)'),
     "liar_no_bound_past_2048": ("BreaksAbove2048", 'Support(formats=["bf16"], hardware=CPU)'),
+    # wrong only between the 512-token batch and the default deployment's 4096
+    "liar_mid_batch": ("WrongFrom600To4095Tokens", 'Support(formats=["bf16"], hardware=CPU)'),
+    # a fixed 4096-column buffer (hidden and intermediate)
+    "liar_fixed_width": ("FixedWidthBuffer", 'Support(formats=["bf16"], hardware=CPU)'),
     # expert parallelism: local ids shifted by the rank's first expert once more
     "liar_ids_shifted": ("LocalIdsShiftedAgain", 'Support(formats=["bf16"], hardware=CPU)'),
     # a 16-bit accumulator (rounded every 16 columns of the reduction)
@@ -194,6 +198,9 @@ def test_the_replay_command_runs_the_failing_case_alone(verdicts, site):
     r = run_cli("conformance", "liar_activation", "--case", case, "--", "-q", site=site)
     assert r.returncode == 1, r.stdout[-2000:]
     assert f"{case} (device cpu)" in r.stdout, r.stdout[-2000:]  # the failure names it
+    # the sentence, not the suite's source with the fixtures' reprs (the registry's is pages long)
+    assert "conformance_registry = " not in r.stdout and "experts_case = " not in r.stdout
+    assert len(r.stdout) < 6000, len(r.stdout)
     # the one case fails; only the entry-point and factory checks run beside it
     progress = r.stdout.strip().splitlines()[0].split()[0]  # one letter per test, e.g. "Fsss.."
     assert sorted(progress) == sorted("F..sss"), r.stdout[-2000:]
@@ -261,9 +268,10 @@ def test_routing_weights_that_do_not_sum_to_one_are_sent(verdicts):
 def test_one_expert_gets_more_rows_than_a_tile(verdicts):
     _, by = verdicts
     failed = by["liar_rows_past_tile"]["failed"]
-    # (the unbounded block's 4096- and 8193-token cases give each expert more rows too)
+    # (the unbounded block's 4096- and 8193-token cases and the mid-sized batches of 1025 and
+    # 2049 tokens give each expert more rows too)
     assert failed and all("all_to_one_expert_batch" in c or "unbounded_tokens" in c
-                          for c in failed), failed
+                          or "mid_batch" in c for c in failed), failed
     assert any("all_to_one_expert_batch" in c for c in failed), failed
 
 
@@ -273,7 +281,7 @@ def test_a_backend_right_within_its_declared_token_bound_passes(verdicts):
     bounded = by["bounded_64"]
     assert not bounded["failed"], bounded["messages"][:3]
     assert any("token_bound64-" in c for c in bounded["passed"]), bounded["passed"]
-    assert not any("unbounded_tokens" in c or "-bias-" in c or "_batch-" in c
+    assert not any("unbounded_tokens" in c or "-bias-" in c or "_batch-" in c or "mid_batch" in c
                    for c in bounded["passed"]), bounded["passed"]
 
 
@@ -284,11 +292,12 @@ def test_a_backend_short_of_its_declared_token_bound_fails_at_the_bound(verdicts
 
 
 def test_an_undeclared_token_bound_is_found_past_512_tokens(verdicts):
-    # every other shape has at most 512 tokens: only the unbounded case reaches its limit
+    # every other shape has at most 512 tokens: only the mid-sized batches and the unbounded
+    # cases reach its limit
     _, by = verdicts
     failed = by["liar_no_bound_past_512"]["failed"]
     assert failed and all(f"unbounded_tokens{UNBOUNDED}" in c or f"unbounded_tokens{PAST}" in c
-                          for c in failed), failed
+                          or "mid_batch" in c for c in failed), failed
     assert any(f"unbounded_tokens{UNBOUNDED}-" in c for c in failed), failed
 
 
@@ -299,8 +308,26 @@ def test_an_undeclared_bound_is_run_at_the_default_deployments_batch(verdicts):
     assert UNBOUNDED == Deployment().max_tokens_per_rank
     failed = by["liar_no_bound_past_2048"]["failed"]
     assert failed and all(f"unbounded_tokens{UNBOUNDED}" in c or f"unbounded_tokens{PAST}" in c
-                          for c in failed), failed
+                          or "mid_batch2049" in c for c in failed), failed
     assert any(f"unbounded_tokens{UNBOUNDED}-" in c for c in failed), failed
+
+
+def test_a_backend_wrong_only_between_512_and_4096_tokens_fails_the_mid_batches(verdicts):
+    # the 512-token bias case and the 4096-token bound case are right: the batches between fail
+    _, by = verdicts
+    failed = by["liar_mid_batch"]["failed"]
+    assert {c.split("-")[-2] for c in failed} == {"mid_batch1025", "mid_batch2049"}, failed
+    passed = by["liar_mid_batch"]["passed"]
+    assert any("-bias-" in c for c in passed) and any(f"unbounded_tokens{UNBOUNDED}-" in c
+                                                       for c in passed), passed[:5]
+
+
+def test_a_fixed_4096_wide_buffer_fails_at_real_models_widths(verdicts):
+    # hidden 4096 and intermediate 512 (long_reduction) fit the buffer; 7168 and 14336 do not
+    _, by = verdicts
+    failed = by["liar_fixed_width"]["failed"]
+    assert {c.split("-")[-2] for c in failed} == {"wide_hidden", "wide_intermediate"}, failed
+    assert any("long_reduction" in c for c in by["liar_fixed_width"]["passed"])
 
 
 def test_local_ids_shifted_by_the_rank_are_caught_on_rank_one(verdicts):

@@ -380,3 +380,36 @@ class RandomOutput(ReferenceExperts):
 
         out = super().forward(d)
         return torch.randn(out.shape).to(out.dtype)
+
+
+class WrongFrom600To4095Tokens(ReferenceExperts):
+    """Declares no token bound, right up to 599 tokens and from 4096 on, 1% off in between (a
+    mid-sized path of its own, wrong)."""
+
+    def forward(self, d):
+        out = super().forward(d)
+        if 600 <= d.hidden.shape[0] < 4096:
+            out = out * 1.01
+        return out
+
+
+class FixedWidthBuffer(ReferenceExperts):
+    """Holds at most 4096 hidden columns and 4096 intermediate columns (a fixed-width buffer):
+    past them the output's extra columns are zeros and the intermediate's are dropped."""
+
+    WIDTH = 4096
+
+    def prepare(self, weights):
+        I = weights.w2.shape[-1] if weights.w2.dim() == 3 else None
+        if I is not None and weights.w13.dtype.is_floating_point and I > self.WIDTH:
+            w2 = weights.w2.clone()
+            w2[..., self.WIDTH:] = 0  # the intermediate past the buffer never reaches GEMM 2
+            weights = attrs.evolve(weights, w2=w2)
+        super().prepare(weights)
+
+    def forward(self, d):
+        out = super().forward(d)
+        if out.shape[-1] > self.WIDTH:
+            out = out.clone()
+            out[..., self.WIDTH:] = 0
+        return out
