@@ -420,19 +420,48 @@ def factory_module(factory: str) -> str:
 
 
 def check_factory(spec, environment: Environment | None) -> Verdict:
-    """Whether the top-level module of ``spec``'s factory is importable on ``environment``: a
-    backend whose declarations are registered but whose package is not installed (a plugin's entry
-    point left behind, a declaration-only distribution) is refused at planning with what to
-    install, not picked and then failing at load. Checked where the environment was probed for
-    that module (:meth:`Environment.probe` with ``Registry.required_modules()``, as every command
-    does); a described target or a hand-built environment assumes it."""
+    """Whether ``spec``'s factory loads on ``environment``: a backend whose declarations are
+    registered but whose package is not installed (a plugin's entry point left behind, a
+    declaration-only distribution) is refused at planning with what to install, and one whose
+    package is there but whose factory does not load (its module or class missing, an import
+    inside it failing) is refused with :func:`load_factory`'s message, not picked and then
+    failing at load. The factory is imported only for a backend that accepts the layer on this
+    machine, and only where the environment was probed for its top-level module
+    (:meth:`Environment.probe` with ``Registry.required_modules()``, as every command does); a
+    described target or a hand-built environment assumes it."""
     module = factory_module(spec.factory)
     env = environment
-    if env is None or env.available is None or module not in env.checked or module in env.available:
+    if env is None or env.available is None or module not in env.checked:
+        return ACCEPTED
+    if module not in env.available:
+        return Verdict(Reason.MISSING_DEPENDENCY, (
+            f"its factory {spec.factory!r} imports the module {module!r}, which is not importable "
+            "here; install the distribution that provides it"))
+    # the package is there: the factory itself must load (a module of the package or the class
+    # missing, an import inside it failing), or the backend would be picked and fail at load
+    problem = factory_problem(spec.factory, spec.name)
+    if problem is None:
         return ACCEPTED
     return Verdict(Reason.MISSING_DEPENDENCY, (
-        f"its factory {spec.factory!r} imports the module {module!r}, which is not importable "
-        "here; install the distribution that provides it"))
+        f"{problem.removeprefix(f'backend {spec.name!r}: ')}; fix or reinstall the distribution "
+        "that provides it"))
+
+
+_FACTORY_PROBLEMS: dict[tuple[str, str], str | None] = {}
+
+
+def factory_problem(factory: str, backend: str) -> str | None:
+    """Why ``factory`` does not load in this process (:func:`load_factory`'s message), or None;
+    tried once per process and factory (the planner asks once per layer)."""
+    key = (factory, backend)
+    if key not in _FACTORY_PROBLEMS:
+        try:
+            load_factory(factory, backend)
+        except Exception as exc:  # any error of the import: the message says which
+            _FACTORY_PROBLEMS[key] = str(exc)
+        else:
+            _FACTORY_PROBLEMS[key] = None
+    return _FACTORY_PROBLEMS[key]
 
 
 @attrs.frozen

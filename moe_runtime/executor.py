@@ -110,9 +110,9 @@ def build_executor(
     ``weights`` holds the *local* experts of this rank, on ``device``.
     """
     device = str(device)
-    classes = {name: load_factory(registry.experts_spec(name).factory)
+    classes = {name: load_factory(registry.experts_spec(name).factory, name)
                for name in plan.experts_backends}
-    comm_cls = load_factory(registry.comm_spec(plan.comm).factory)
+    comm_cls = load_factory(registry.comm_spec(plan.comm).factory, plan.comm)
     from moe_runtime.planner import ModeChoice
 
     modes = plan.modes or (ModeChoice(plan.comm_mode, plan.layout, plan.payload, None),)

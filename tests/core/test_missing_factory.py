@@ -38,6 +38,18 @@ def sites(tmp_path_factory):
     kernels = root / "kernels"
     (kernels / "absent_kernels_pkg").mkdir(parents=True)
     (kernels / "absent_kernels_pkg" / "__init__.py").write_text("")
+    (kernels / "absent_kernels_pkg" / "experts.py").write_text(
+        "from moe_runtime.backends.reference import ReferenceExperts as Experts\n")
+    # the package installed, its factory broken three ways: no such module, no such class, an
+    # import inside the module that fails (a kernels wheel of the wrong build)
+    broken = {"no_module": "", "no_class": "class Other:\n    pass\n",
+              "import_fails": "import surely_absent_cuda_ext  # noqa\nclass Experts:\n    pass\n"}
+    for name, body in broken.items():
+        pkg = root / name / "absent_kernels_pkg"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        if body:
+            (pkg / "experts.py").write_text(body)
     return site, kernels
 
 
@@ -91,3 +103,29 @@ def test_probing_looks_for_every_factory_and_a_described_target_assumes_them():
     assert check_factory(spec, Environment("cpu", None, frozenset({"torch"}), "cpu"))
     # equal environments whatever was looked at (fingerprints and caches compare these)
     assert probed == Environment("cpu", None, frozenset({"torch"}), "cpu")
+
+
+@pytest.mark.parametrize("broken, says", [
+    ("no_module", "importing 'absent_kernels_pkg.experts' raised ModuleNotFoundError"),
+    ("no_class", "module 'absent_kernels_pkg.experts' has no attribute 'Experts'"),
+    ("import_fails", "No module named 'surely_absent_cuda_ext'"),
+])
+def test_a_package_whose_factory_does_not_load_is_refused_and_the_next_backend_runs(
+        sites, checkpoint, broken, says):
+    # the top-level package imports, so the module check passes; the factory itself does not load
+    site, kernels = sites
+    env = {"PYTHONPATH": f"{site}:{kernels.parent / broken}"}
+    r = run_cli("plan", str(checkpoint), "--json", site=site, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert "declared_only" not in {lp["experts"] for lp in plan["layers"]}
+    (rej,) = {(x["reason"], x["message"]) for x in plan["rejections"]
+              if x["backend"] == "declared_only"}
+    assert rej[0] == "missing_dependency"
+    assert "factory 'absent_kernels_pkg.experts:Experts' does not load" in rej[1], rej[1]
+    assert says in rej[1], rej[1]
+    # pinned: refused at planning with the same sentence, not a traceback at load
+    r = run_cli("plan", str(checkpoint), "--moe-runner-backend", "declared_only", site=site,
+                env=env, timeout=300)
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
