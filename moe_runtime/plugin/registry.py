@@ -13,6 +13,7 @@ import attrs
 from moe_runtime import formats as F
 from moe_runtime.declarations import CommBackendSpec, ExpertsBackendSpec, factory_module
 from moe_runtime.plugin.manager import (
+    BUILTIN_NAME,
     MoEPluginManager,
     PluginError,
     PluginInfo,
@@ -145,10 +146,15 @@ class Registry:
             )
         for other_table in (self.experts, self.comms):
             if spec.name in other_table:
+                other = other_table[spec.name].plugin
+                # the plugin names are what -p no: takes; the built-ins are blocked as a whole
+                options = " or ".join(f"-p no:{p}" for p in dict.fromkeys((plugin, other))
+                                      if p != BUILTIN_NAME)
                 raise RegistryError(
-                    f"backend name {spec.name!r} is registered by both plugin "
-                    f"{other_table[spec.name].plugin!r} and plugin {plugin!r}; block one with "
-                    f"-p no:NAME"
+                    f"backend name {spec.name!r} is registered by both plugin {other!r} and "
+                    f"plugin {plugin!r}; backend names must be unique: uninstall one of the "
+                    f"two, or block one with {options} (MOE_RUNTIME_BLOCK_PLUGINS="
+                    f"{plugin} in the environment)"
                 )
         table[spec.name] = Registered(spec, plugin)
 

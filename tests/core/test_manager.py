@@ -88,8 +88,15 @@ def test_autoload_can_be_switched_off(plugin_site, with_site):
 def test_same_backend_name_from_two_plugins_names_both(colliding_site, with_site):
     with_site(colliding_site)
     pm = get_plugin_manager(environ={})
-    with pytest.raises(RegistryError, match="'reference'.*'builtin'.*'collide_test'"):
+    with pytest.raises(RegistryError, match="'reference'.*'builtin'.*'collide_test'") as err:
         Registry.from_plugin_manager(pm)
+    # the advice names the option that works: the built-ins are blocked only as a whole
+    assert "block one with -p no:collide_test (MOE_RUNTIME_BLOCK_PLUGINS=collide_test" in str(
+        err.value)
+    assert "no:builtin" not in str(err.value) and "no:NAME" not in str(err.value)
+    # and following it loads the registry, the built-in 'reference' kept
+    reg = Registry.from_plugin_manager(get_plugin_manager(blocked=["collide_test"], environ={}))
+    assert reg.experts["reference"].plugin == "builtin"
 
 
 def test_misspelled_hook_implementation_fails():
