@@ -568,7 +568,10 @@ class Engine:
         return (len(text) // (4 * longest) if longest else 0), longest
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        # verbose=False: transformers' "sequence length is longer than the specified maximum"
+        # warning would be logged for a prompt the server then refuses with its own error
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens,
+                                   verbose=False)["input_ids"])
 
     def encode_chat(self, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` through the chat template; ``template_kwargs`` are the
@@ -579,7 +582,9 @@ class Engine:
         kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
         try:
             ids = self.tokenizer.apply_chat_template(list(messages), tokenize=True,
-                                                     return_dict=False, **kwargs)
+                                                     return_dict=False,
+                                                     tokenizer_kwargs={"verbose": False},
+                                                     **kwargs)
         except Exception as exc:  # jinja2's TemplateError and its kin
             raise ValueError(f"the chat template failed on these messages: "
                              f"{type(exc).__name__}: {exc}") from None

@@ -36,6 +36,14 @@ def test_a_prompt_just_long_enough_to_need_tokenizing_still_gets_the_exact_count
     assert r.status_code == 400, r.text
     assert "it was not tokenized" not in r.json()["error"]["message"]
     assert "the prompt has" in r.json()["error"]["message"]
+    messages = [{"role": "user", "content": text}]
+    r = http.post("/v1/chat/completions", json={"model": server.model, "messages": messages,
+                                                "max_tokens": 2})
+    assert r.status_code == 400 and "the prompt has" in r.json()["error"]["message"], r.text
+    # refused with the server's own error, and transformers' warning that "running this sequence
+    # through the model will result in indexing errors" is not logged beside it
+    assert server.lines_with("POST /v1/chat/completions 400", timeout=5)
+    assert not server.lines_with("Token indices sequence length", timeout=0.5)
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
