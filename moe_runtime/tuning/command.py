@@ -142,18 +142,24 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="timing", file=sys.stderr)
 
 
-def _existing(path: Path) -> list[Section]:
+def _existing(path: Path, *, warn: bool = True) -> list[Section]:
+    """The sections already in the cache at ``path`` (none where there is no file, or an outdated
+    cache, which is replaced). A file that is not a tuning cache is never written over: it may be
+    anything (a checkpoint's config.json, its weights), so that is an error, raised before any
+    timing is done."""
     if not path.is_file():
         return []
     try:
         return read_sections(path)
     except OutdatedCacheError as exc:
-        print(f"warning: {path} is an outdated tuning cache ({exc}); it is replaced",
-              file=sys.stderr)
+        if warn:
+            print(f"warning: {path} is an outdated tuning cache ({exc}); it is replaced",
+                  file=sys.stderr)
         return []
     except CacheFormatError as exc:
-        print(f"warning: {path} is not a tuning cache ({exc}); it is replaced", file=sys.stderr)
-        return []
+        raise SystemExit(f"error: {path} exists and is not a tuning cache ({exc}); it is not "
+                         "written over: name a new file (or a tuning cache) with --cache, or "
+                         "remove it") from None
 
 
 def print_results(shapes, measurements, file=None) -> None:
@@ -210,6 +216,7 @@ def run_tune(args) -> int:
     if path.exists() and not path.is_file():
         raise SystemExit(f"error: the tuning cache {path} exists and is not a file; name a file "
                          "with --cache")
+    _existing(path, warn=False)  # a file that is not a tuning cache: refused before any timing
     try:
         ckpt = read_checkpoint(args.checkpoint)
     except CheckpointError as exc:

@@ -200,6 +200,27 @@ def test_tune_refuses_a_cache_path_that_is_a_folder_before_timing(checkpoint, tm
     assert f"the tuning cache {tmp_path} exists and is not a file" in str(exc.value)
 
 
+@pytest.mark.parametrize("victim", ["config.json", "model.safetensors", "notes.txt"])
+def test_tune_never_writes_over_a_file_that_is_not_a_tuning_cache(checkpoint, tmp_path, victim):
+    # --cache pointed at a checkpoint's own files (or any file) by mistake: refused untouched,
+    # before any timing (it was replaced by a cache with a warning, destroying the checkpoint)
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    path = folder / victim
+    if not path.exists():
+        path.write_text("my notes\n")
+    before = path.read_bytes()
+    r = run_cli("tune", str(folder), "--tokens", "1", "--cache", str(path), "--no-progress",
+                timeout=300)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert f"{path} exists and is not a tuning cache" in r.stderr, r.stderr
+    assert "it is not written over" in r.stderr and "tuning " not in r.stderr.split("error:")[0]
+    assert path.read_bytes() == before
+    assert "Traceback" not in r.stderr
+
+
 def test_a_cache_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     from moe_runtime.tuning.cache import write_sections
 
