@@ -214,6 +214,12 @@ def print_findings(report, *, file=None) -> None:
 
 
 def cmd_check(args) -> int:
+    if args.device is not None:
+        from moe_runtime.environment import Environment
+
+        problem = Environment.device_problem(args.device)
+        if problem:  # not a memory comparison with the host's, nor none at all
+            raise SystemExit(f"error: --device: {problem}")
     device = None if args.no_memory else (args.device or _local_device())
     report = run_check(args, args.checkpoint, device=device)
     if args.json:

@@ -72,6 +72,24 @@ class Environment:
         return cls(data["device"], parse_capability(cap) if cap else None,
                    data.get("available"), data.get("name", ""))
 
+    @staticmethod
+    def device_problem(device: str) -> str | None:
+        """Why ``device`` names no device of this machine (``cpu``, ``cuda``, ``cuda:N``), or
+        None: said before anything is loaded or measured for it."""
+        import torch
+
+        kind, colon, index = device.partition(":")
+        if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+            return f"device {device!r} is not supported; use cpu, cuda or cuda:N"
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                return f"device {device!r} was asked for but CUDA is not available here"
+            count = torch.cuda.device_count()
+            if colon and int(index) >= count:
+                return (f"device {device!r} was asked for but this machine has {count} CUDA "
+                        f"device(s): cuda:0 to cuda:{count - 1}")
+        return None
+
     @classmethod
     def probe(cls, *, device: str | None = None, modules=()) -> Environment:
         """Look at this machine once: the torch device and which of ``modules`` are importable."""

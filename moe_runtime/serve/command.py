@@ -201,6 +201,20 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     if args.max_batch_size < 1:
         raise UsageError(f"--max-num-seqs must be at least 1, got {args.max_batch_size}")
+    if args.device != "auto":
+        from moe_runtime.environment import Environment
+
+        problem = Environment.device_problem(args.device)
+        if problem:
+            raise UsageError(f"--device: {problem}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must lie in [0, 65535] (0 picks a free one), got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        # an unset variable in `--api-key "$KEY"` must not start a server open to everyone
+        source = ("--api-key" if os.environ.get(ENV_API_KEY) != args.api_key
+                  else f"${ENV_API_KEY}")
+        raise UsageError(f"{source} is empty: give the key clients must send, or leave the "
+                         f"option out (and ${ENV_API_KEY} unset) to serve without one")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise UsageError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     util = args.gpu_memory_utilization

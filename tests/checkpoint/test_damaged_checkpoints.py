@@ -1186,6 +1186,26 @@ def test_plan_says_a_memory_warning_once(qwen3_nvfp4, capsys):
     assert text.count("warning: ") == 1, text
 
 
+@pytest.mark.parametrize("device, needle", [
+    ("tpu", "device 'tpu' is not supported; use cpu, cuda or cuda:N"),
+    ("cuda:x", "device 'cuda:x' is not supported"),
+    ("cpu:0", "device 'cpu:0' is not supported"),
+])
+def test_check_refuses_a_device_it_cannot_compare_with(qwen3_nvfp4, device, needle):
+    # it was accepted: "ok", compared with the host's memory or with none at all
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check", str(qwen3_nvfp4), "--device", device])
+    assert str(info.value.code).startswith(f"error: --device: {needle}")
+
+
+def test_check_on_cuda_without_cuda_is_refused_not_silently_uncompared(qwen3_nvfp4):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check", str(qwen3_nvfp4), "--device", "cuda"])
+    assert "CUDA is not available here" in str(info.value.code)
+
+
 def test_plan_refuses_an_ep_size_of_0_as_an_error(qwen3_nvfp4, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["plan", str(qwen3_nvfp4), "--ep-size", "0"])

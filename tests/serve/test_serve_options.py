@@ -274,11 +274,28 @@ def test_two_different_models_are_refused(tmp_path):
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must not be negative"),
     (["--seed", str(2**64)], "--seed must be a signed 64-bit integer"),  # was a traceback
     (["--seed", str(2**63)], "--seed must be a signed 64-bit integer"),
+    # were an OverflowError's text and exit 1, after the plugins loaded
+    (["--port", "70000"], "--port must lie in [0, 65535]"),
+    (["--port", "-1"], "--port must lie in [0, 65535]"),
+    # were a ValueError after about 4 s of start-up, exit 1
+    (["--device", "tpu"], "--device: device 'tpu' is not supported; use cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "--device: device 'cuda:x' is not supported"),
+    # served with no authentication at all (an unset variable in --api-key "$KEY")
+    (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", "  "], "--api-key is empty"),
 ])
 def test_a_bad_number_is_exit_status_2_naming_the_option(argv, needle):
     r = _serve(*argv, timeout=30)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
+
+
+def test_an_empty_api_key_from_the_environment_is_refused_naming_the_variable(tmp_path):
+    from moe_runtime.serve.command import ENV_API_KEY
+
+    r = _serve(timeout=30, env={**os.environ, ENV_API_KEY: ""})
+    assert r.returncode == 2, r.stderr
+    assert f"${ENV_API_KEY} is empty" in r.stderr
 
 
 def test_a_chat_template_that_is_no_file_and_no_template_is_refused():
