@@ -273,7 +273,15 @@ def _require_compilable_chat_template(tokenizer, tok_dir: Path, origin: str | No
     named = templates.items() if isinstance(templates, dict) else [(None, templates)]
     for name, text in named:
         if not isinstance(text, str):
-            continue
+            # transformers stores whatever tokenizer_config.json says; jinja then fails on every
+            # chat request ("Can't compile non template nodes")
+            where = origin or _chat_template_file(tok_dir, name)
+            raise LoadError(
+                f"the chat template{f' {name!r}' if name else ''} of {where} is "
+                f"{type(text).__name__} {str(text)[:60]!r}, not a string; every chat request "
+                "would fail on it. Accepted: a Jinja template (a string, or a list of "
+                "{\"name\": ..., \"template\": ...} objects); fix it, or start with "
+                "--chat-template FILE to replace it (/v1/completions does not use it)")
         try:
             compile_(text)
         except jinja2.TemplateError as exc:

@@ -138,6 +138,19 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_start(chat_ckpt, tm
     assert "Loading" not in line
 
 
+@pytest.mark.parametrize("value", [5, True, {"default": 7}])
+def test_a_chat_template_that_is_not_a_string_is_refused_at_start(chat_ckpt, value):
+    # it passed start-up, and every chat request then got a 400 "Can't compile non template
+    # nodes" blaming the client's messages
+    config = json.loads((chat_ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = value
+    (chat_ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    line = _error_line(_serve(str(chat_ckpt)))
+    assert str(chat_ckpt / "tokenizer_config.json") in line, line
+    assert "not a string" in line and "every chat request would fail" in line, line
+    assert "Loading" not in line
+
+
 def test_a_chat_template_that_compiles_passes(chat_ckpt):
     from transformers import AutoTokenizer
 
