@@ -565,8 +565,14 @@ class _Check:
             self._rope_type(rope, key, where, file)
         for label, holder, key, low, accepted in checks:
             value = holder.get(key)
-            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue  # absent, or of a type transformers' config class refuses itself
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                # transformers' config class refuses some at serve's start, and takes a nested
+                # rope_parameters' string, which the model then raises a bare TypeError on
+                self.add("config", file, f"{where}{label} is {str(value)[:60]!r}, a "
+                         f"{type(value).__name__}, not a number", accepted)
+                continue
             if not math.isfinite(value) or (value < low if low is not None else value <= 0):
                 self.add("config", file, f"{where}{label} is {value!r}", accepted)
 

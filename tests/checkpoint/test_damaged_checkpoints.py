@@ -728,6 +728,13 @@ NUMBER_DAMAGES = [
            ["rope_parameters.rope_theta is -1", "a positive number"]),
     Damage("rope_theta_zero_at_the_top_level", "qwen3_fp8", set_config(rope_theta=0), "config",
            ["rope_theta is 0", "a positive number"]),
+    # not numbers: check said ok, and serve stopped on a bare TypeError ("unsupported operand
+    # type(s) for ** or pow(): 'str' and 'Tensor'") naming no field
+    Damage("rope_theta_a_string", "qwen3_fp8",
+           set_config(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "config",
+           ["rope_parameters.rope_theta is 'big', a str, not a number", "a positive number"]),
+    Damage("rms_norm_eps_a_string", "qwen3_nvfp4", set_config(rms_norm_eps="x"), "config",
+           ["rms_norm_eps is 'x', a str, not a number", "a number of 0 or more"]),
 ]
 
 
@@ -737,8 +744,9 @@ def test_dense_tensors_and_numeric_constants_out_of_range_are_refused(damage, da
         damage, damaged, capsys)
 
 
-def test_serve_refuses_a_negative_rms_norm_eps_at_start_up(damaged):
-    damage = next(d for d in NUMBER_DAMAGES if d.id == "rms_norm_eps_negative")
+@pytest.mark.parametrize("which", ["rms_norm_eps_negative", "rope_theta_a_string"])
+def test_serve_refuses_a_bad_constant_at_start_up(damaged, which):
+    damage = next(d for d in NUMBER_DAMAGES if d.id == which)
     _assert_serve_refuses(damaged(damage), damage.needles)
 
 
