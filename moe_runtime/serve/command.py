@@ -163,6 +163,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the traceback of a start-up failure")
 
 
+def _kv_sequences(args, model_dir) -> tuple[int, int | None]:
+    """``(sequences, tokens each)`` the KV cache will hold (kv_budget's order), for the memory
+    check before the weights are read: ``--kv-cache-tokens N`` is N tokens, ``--max-num-seqs``
+    sequences of the context otherwise; ``--gpu-memory-utilization`` sizes the cache from what is
+    left once the model is loaded, so only one sequence is asked of the estimate then."""
+    context = args.max_model_len
+    if context is not None:  # capped by the model's context, as the engine caps it
+        from moe_runtime.checkpoint.quant_config import load_json
+
+        try:
+            config = load_json(Path(model_dir) / "config.json")
+            fields = config.get("text_config") if isinstance(config.get("text_config"),
+                                                              dict) else config
+            model_len = fields.get("max_position_embeddings")
+            if isinstance(model_len, int) and not isinstance(model_len, bool) and model_len > 0:
+                context = min(context, model_len)
+        except Exception:  # noqa: BLE001 - the checkpoint check reports an unreadable config
+            pass
+    if args.kv_cache_tokens is not None:
+        return 1, args.kv_cache_tokens
+    if args.gpu_memory_utilization is not None:
+        return 1, context
+    return args.max_batch_size, context
+
+
 def _resolve_device(name: str) -> str:
     if name != "auto":
         return name
@@ -427,6 +452,7 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
             tokenizer=source.tokenizer_dir, chat_template=source.chat_template,
             chat_template_origin=source.chat_template_origin,
             generation_config=source.generation_config,
+            kv_sequences=_kv_sequences(args, model_dir),
             # the command line's -p no:NAME and kin (moe-runtime serve); else the environment
             plugin_options=getattr(args, "plugin_options", None))
     except LoadError as exc:

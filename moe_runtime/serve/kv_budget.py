@@ -13,7 +13,11 @@ One of three, in this order:
 The cache is never made larger than (3): at most ``--max-num-seqs`` sequences run at once, so
 more tokens could not be used; a budget cut to it says so.
 
-A budget that cannot hold one sequence of the full context is refused at start, naming both.
+A budget that cannot hold one sequence of the full context is refused at start, naming both, and
+so is one of (1) or (3) larger than the memory free once the model is loaded (the device's free
+memory, or the machine's available memory on the CPU): it failed inside transformers with a bare
+MemoryError, or ran out of memory at the first long requests. (``serve`` refuses such options
+before loading too, from the checkpoint check's estimate.)
 """
 
 from __future__ import annotations
@@ -103,7 +107,38 @@ def kv_budget(*, config, dtype_bytes: int, device: str, context_length: int, max
         raise BudgetError(f"the KV cache of {budget.tokens} tokens ({budget.source}) cannot hold "
                           f"one sequence of the full context, {context_length} tokens: raise "
                           "--kv-cache-tokens or lower --max-model-len")
+    if gpu_memory_utilization is None:  # sized from the options alone: it must fit what is free
+        free = _free(device)
+        need = budget.tokens * per_token
+        if free is not None and need > free:
+            where = "the CUDA device" if device.startswith("cuda") else "this machine"
+            raise BudgetError(
+                f"the KV cache of {budget.tokens} tokens ({budget.source}) needs "
+                f"{need / 2**30:.3g} GiB, and {where} has {free / 2**30:.3g} GiB free once the "
+                "model is loaded: lower --max-num-seqs or --max-model-len, or size the cache "
+                "from memory with --gpu-memory-utilization (or --kv-cache-tokens)")
     return budget
+
+
+def _free(device: str) -> int | None:
+    """Bytes free for the cache now: the CUDA device's free memory, or the machine's available
+    memory (``MemAvailable``); None where it cannot be read."""
+    try:
+        if device.startswith("cuda"):
+            import torch
+
+            index = torch.device(device).index or 0
+            free, _ = torch.cuda.mem_get_info(index)
+            # what torch's allocator holds but does not use is free to the cache too
+            return int(free + torch.cuda.memory_reserved(index)
+                       - torch.cuda.memory_allocated(index))
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return None
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -60,6 +60,7 @@ def load_for_serving(
     tuning_cache: str | None = None,
     token_ranges: bool = False,
     chat_template_origin: str | None = None,
+    kv_sequences: tuple[int, int | None] = (1, None),
 ):
     """Load ``model_dir`` (a local Hugging Face-format folder) for serving on ``device``.
 
@@ -84,6 +85,10 @@ def load_for_serving(
     forward (see ``load_model``). ``tuning_cache``: ``plan``'s ``--tuning-cache`` (a path,
     ``"none"``, or ``None``: the default location when it exists); ``token_ranges``: its
     ``--token-ranges`` (an experts backend per measured batch size, docs/tuning.md).
+    ``kv_sequences``: ``(sequences, tokens each)`` the KV cache will hold (``None``: the model's
+    context), for the memory check made before any weight is read (``moe-runtime check
+    --max-batch-size N --max-model-len T``'s estimate): a server whose weights and cache cannot
+    fit is refused in seconds, not after loading.
     """
     import attrs
 
@@ -116,7 +121,9 @@ def load_for_serving(
         _require_served_architecture(path)
         # Check the folder, then plan (no transformers import, no weights): in seconds, so a
         # refused pin fails before the model is built.
-        report = require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size)
+        report = require_sound_checkpoint(path, device=device, ep_size=deployment.ep_size,
+                                          batch_size=kv_sequences[0],
+                                          context_tokens=kv_sequences[1])
         plan = None if transformers_experts else plan_for_serving(
             path, device, deployment, registry, tuning_cache=tuning_cache,
             token_ranges=token_ranges)

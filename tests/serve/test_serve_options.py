@@ -327,6 +327,40 @@ def test_a_kv_cache_too_small_for_one_context_is_refused_at_start(model_dir, arg
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("argv, sized", [
+    (["--max-num-seqs", "100000000"], "at batch 100000000 x 1024 tokens"),
+    (["--kv-cache-tokens", "100000000000"], "at batch 1 x 100000000000 tokens"),
+    # --max-model-len past the model's context is capped by it, here as in the engine
+    (["--max-num-seqs", "100000000", "--max-model-len", "999999"], "x 1024 tokens"),
+])
+def test_a_kv_cache_larger_than_memory_is_refused_before_loading(model_dir, argv, sized):
+    # it loaded every weight, then stopped inside transformers on a bare MemoryError
+    r = _serve(str(model_dir), *argv)
+    assert r.returncode == 1, r.stderr
+    assert "serving needs about" in r.stderr and sized in r.stderr, r.stderr
+    assert "KV cache" in r.stderr and "Traceback" not in r.stderr
+    assert "Loading" not in r.stderr  # refused by the estimate, before the weights were read
+
+
+def test_the_cache_sized_from_the_options_must_fit_the_free_memory(model_dir):
+    # the same refusal once loaded (the estimate can be short of what the process holds)
+    from transformers import AutoConfig
+
+    from moe_runtime.serve.kv_budget import BudgetError, kv_budget
+
+    config = AutoConfig.from_pretrained(model_dir)
+    fits = kv_budget(config=config, dtype_bytes=4, device="cpu", context_length=1024,
+                     max_num_seqs=8)
+    assert fits.tokens == 8 * 1024
+    with pytest.raises(BudgetError, match=r"needs .* GiB, and this machine has .* GiB free once "
+                                          r"the model is loaded: lower --max-num-seqs"):
+        kv_budget(config=config, dtype_bytes=4, device="cpu", context_length=1024,
+                  max_num_seqs=10**9)
+    with pytest.raises(BudgetError, match="free once the model is loaded"):
+        kv_budget(config=config, dtype_bytes=4, device="cpu", context_length=1024,
+                  max_num_seqs=10**10, kv_cache_tokens=10**13)
+
+
 def test_help_names_the_vllm_options_and_their_aliases():
     r = subprocess.run([sys.executable, "-m", "moe_runtime.cli", "serve", "--help"],
                        capture_output=True, text=True, timeout=60)
