@@ -465,6 +465,10 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
                  shown)
     try:
         context = context_length_of(loaded, args.max_model_len)
+        if args.max_model_len is not None and args.max_model_len > context:
+            log.warning("--max-model-len %d is past the model's context of %d tokens (its "
+                        "config's max_position_embeddings): requests get at most %d",
+                        args.max_model_len, context, context)
         budget = kv_budget(config=loaded.model.config, dtype_bytes=loaded.model.dtype.itemsize,
                            device=device, context_length=context,
                            max_num_seqs=args.max_batch_size,

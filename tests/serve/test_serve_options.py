@@ -61,6 +61,17 @@ def test_a_positional_model_is_served_under_its_served_model_name(house, house_c
     assert card.model_extra["max_model_len"] == 200  # --max-model-len
 
 
+def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(server_factory,
+                                                                         model_dir):
+    # it was capped without a word
+    s = server_factory([str(model_dir), "--max-model-len", "5000"])
+    [line] = s.lines_with("--max-model-len 5000 is past the model's context of 1024 tokens")
+    assert "WARNING" in line and "requests get at most 1024" in line
+    models = httpx.get(s.base_url + "/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert models.json()["data"][0]["max_model_len"] == 1024
+    s.stop()
+
+
 def test_dtype_half_is_float16(house):
     plan = httpx.get(house.root + "/v1/moe/plan", headers={"Authorization": f"Bearer {API_KEY}"})
     assert plan.json()["dtype"] == "float16"
