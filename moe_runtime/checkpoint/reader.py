@@ -113,7 +113,9 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo:
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory)")
+        what = "a file, not a directory" if folder.exists() else "no such directory"
+        raise CheckpointError(f"{folder}: not a checkpoint folder ({what}); accepted: a folder "
+                              "holding config.json and the .safetensors files")
     config_file = folder / CONFIG
     config = load_json(config_file)
     arch = architecture_of(config, str(config_file))

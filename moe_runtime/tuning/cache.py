@@ -342,7 +342,8 @@ def load_tuning(path: str | Path | None, environment: Environment, registry, *,
     except OSError as exc:  # e.g. a folder on the way this user may not search
         return Tuning(notes=(f"ignored tuning cache {path}: malformed: cannot be read ({exc})",))
     if not found:
-        return Tuning(notes=(f"tuning cache {path} does not exist; backends are chosen by "
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        return Tuning(notes=(f"tuning cache {path} {what}; backends are chosen by "
                              f"declared priority ({again})",) if explicit else ())
     try:
         sections = read_sections(path)

@@ -284,3 +284,17 @@ def test_plan_with_token_ranges_runs_small_batches_on_their_measured_fastest(che
     assert "<=8 reference, else cpu_dequantized" in r.stdout
     assert "1-8 tokens per rank on reference, larger batches on cpu_dequantized" in " ".join(
         r.stdout.split())
+
+
+def test_a_file_given_as_the_checkpoint_and_a_folder_as_the_cache_are_named_as_such(
+        checkpoint, tmp_path):
+    # "no such directory" for a file that exists, "does not exist" for a folder that does
+    f = tmp_path / "f"
+    f.write_text("")
+    r = run_cli("tune", str(f), "--tokens", "1", "--cache", str(tmp_path / "c.json"),
+                "--no-progress", timeout=120)
+    assert r.returncode != 0 and f"{f}: not a checkpoint folder (a file, not a directory)" in (
+        r.stderr), r.stderr
+    r = run_cli("plan", str(checkpoint), "--tuning-cache", str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"tuning cache {tmp_path} is a folder, not a file" in r.stdout + r.stderr
