@@ -423,9 +423,16 @@ class _Candidates:
 def resolve_format(p: LayerProblem, registry: Registry) -> F.WeightFormat:
     """Step 1: the layer's weight format, which some plugin must have registered."""
     if p.format not in registry.formats:
+        from moe_runtime.plugin.manager import BUILTIN_NAME
+
+        blocked = [i.name for i in registry.plugin_infos if i.status == "blocked"]
+        why = (f"; the built-in plugin, which registers every built-in format, is blocked "
+               f"(-p no:{BUILTIN_NAME} or MOE_RUNTIME_BLOCK_PLUGINS)"
+               if BUILTIN_NAME in blocked else
+               f"; blocked plugins: {', '.join(blocked)}" if blocked else "")
         raise PlanError(
             f"layer {p.name}: format {p.format!r} is not registered by any plugin; registered "
-            f"formats: {', '.join(sorted(registry.formats))}"
+            f"formats: {', '.join(sorted(registry.formats)) or 'none'}{why}"
         )
     return registry.formats[p.format].spec
 

@@ -229,6 +229,18 @@ def test_cli_plugins_blocks_with_dash_p(plugin_site):
     assert "sm100_nvfp4" not in {b["name"] for b in data["experts_backends"]}
 
 
+def test_planning_with_the_builtin_plugin_blocked_says_that_is_why_no_format_is_known(tmp_path):
+    # it ended in "registered formats: " and an empty list
+    from moe_runtime.checkpoint.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", arch="qwen3_moe", quant="bf16", num_layers=1)
+    r = run_cli("-p", "no:builtin", "plan", str(ckpt))
+    assert r.returncode != 0
+    assert "format 'bf16' is not registered by any plugin; registered formats: none; the " \
+           "built-in plugin, which registers every built-in format, is blocked" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_conformance_command_passes_arguments_after_dashes_to_pytest():
     r = run_cli("conformance", "local", "--", "-k", "ws1 and unquantized")
     assert r.returncode == 0, r.stdout + r.stderr
