@@ -232,6 +232,9 @@ def _check_options(args: argparse.Namespace) -> None:
         problem = Environment.device_problem(args.device)
         if problem:
             raise UsageError(f"--device: {problem}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name is empty: give the name clients send as "
+                         "\"model\", or leave it out to serve the folder's name")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must lie in [0, 65535] (0 picks a free one), got {args.port}")
     if args.api_key is not None and not args.api_key.strip():

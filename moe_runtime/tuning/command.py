@@ -91,7 +91,8 @@ def add_tune_command(sub) -> None:
     p.add_argument("--repeats", type=int, default=20, metavar="N",
                    help="timed calls per measurement, median taken (default 20)")
     p.add_argument("--warmup", type=int, default=3, metavar="N",
-                   help="untimed calls first (default 3)")
+                   help="untimed calls first (default 3; at least 1: the first call compiles "
+                        "and caches kernels, which must not be timed)")
     p.add_argument("--budget", type=float, default=10.0, metavar="SECONDS",
                    help="fewer repeats (at least 3, or --repeats if fewer) where they would take "
                         "longer (default 10)")
@@ -102,14 +103,16 @@ def add_tune_command(sub) -> None:
                    help="token counts up to N are also timed as CUDA-graph replays, where the "
                         "candidate captures (default 1024, as engines capture decode batches; "
                         "0: eager calls only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and routing each candidate is timed on "
+                        "(default 0: the same inputs on every run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_tune)
 
 
 def _counts(text: str, flag: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",")]  # an empty entry ("1,,2") is a typo
     except ValueError:
         values = []
     if not values or min(values) < 1:

@@ -180,6 +180,10 @@ def test_tune_replaces_an_outdated_cache_and_checks_the_graph_bound(checkpoint, 
     (["--budget", "-1"], "--budget must be a finite number of seconds, 0 or more, got -1.0"),
     (["--backends", ","], "--backends takes experts backend names separated by commas, got ','; "
                           "registered: cpu_dequantized, "),
+    # an empty entry was dropped without a word
+    (["--tokens", "1,,2"], "--tokens takes positive integers separated by commas, e.g. "
+                           "1,16,128; got '1,,2'"),
+    (["--tokens", "1,"], "got '1,'"),
 ])
 def test_tune_refuses_bad_arguments_before_timing_anything(checkpoint, tmp_path, capsys, flags,
                                                            why):

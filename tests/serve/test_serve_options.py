@@ -294,6 +294,8 @@ def test_two_different_models_are_refused(tmp_path):
     # served with no authentication at all (an unset variable in --api-key "$KEY")
     (["--api-key", ""], "--api-key is empty"),
     (["--api-key", "  "], "--api-key is empty"),
+    # was ignored: the folder's name was served
+    (["--served-model-name", ""], "--served-model-name is empty"),
 ])
 def test_a_bad_number_is_exit_status_2_naming_the_option(argv, needle):
     r = _serve(*argv, timeout=30)
