@@ -352,6 +352,8 @@ class _Check:
         self.ranges: dict[str, tuple[str, int, int]] = {}  # tensor -> (file, start, end) in file
         self.duplicates: list[tuple[str, str, str]] = []  # (tensor, first file, second file)
         self.unreadable: list[str] = []  # weight files whose header could not be read (OSError)
+        # tensors whose header entry is itself wrong (reported so): not also "missing"
+        self.bad_entries: set[str] = set()
         self.scale_count = self.scale_bytes = 0
         self.scale_seconds = 0.0
         self.estimate: MemoryEstimate | None = None
@@ -864,6 +866,7 @@ class _Check:
             problem = header_entry_problem(meta, data_size)
             if problem:
                 bad.append(f"tensor {name!r} {problem}")
+                self.bad_entries.add(name)
                 continue
             if name in self.tensors and self.tensors[name].file != path.name:
                 self.duplicates.append((name, self.tensors[name].file, path.name))
@@ -1375,7 +1378,7 @@ class _Check:
                 module = layer.expert_module(e, proj)
                 for tensor, dtypes, shape in layout.expected(module, out, inp):
                     problem = _tensor_problem(self.tensors.get(tensor), dtypes, shape)
-                    if problem:
+                    if problem and tensor not in self.bad_entries:
                         problems[problem].append(tensor)
         for (problem, accepted), names in problems.items():
             meta = self.tensors.get(names[0])  # stored (a wrong shape or dtype): its file too
@@ -1518,7 +1521,7 @@ class _Check:
                 if tensor.endswith((".weight", ".input_scale")):
                     continue  # the weight was checked; activation scales vary for linears
                 problem = _tensor_problem(self.tensors.get(tensor), dtypes, shape)
-                if problem:
+                if problem and tensor not in self.bad_entries:
                     problems[problem].append(tensor)
         for (problem, accepted), names in problems.items():
             meta = self.tensors.get(names[0])

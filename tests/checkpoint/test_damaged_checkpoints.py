@@ -1220,6 +1220,16 @@ def test_plan_refuses_an_ep_size_of_0_as_an_error(qwen3_nvfp4, capsys):
     assert str(info.value.code) == "error: --ep-size must be at least 1, got 0"
 
 
+@pytest.mark.parametrize("which", ["truncated_weights", "unknown_dtype_in_header"])
+def test_a_tensor_with_a_bad_header_entry_is_not_also_reported_missing(damaged, which):
+    # serve printed the truncation, then "tensor ... is missing" for the same tensor
+    damage = next(d for d in DAMAGES if d.id == which)
+    report = check_checkpoint(damaged(damage), machine=None)
+    assert [f.rule for f in report.findings] == ["safetensors"], [
+        f.paragraph for f in report.findings]
+    assert not any("is missing" in f.paragraph for f in report.findings)
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "one_of_two_shards"])
 def test_an_unreadable_weights_file_is_one_finding_not_every_tensor_missing(
         sharded, qwen3_fp8, tmp_path, monkeypatch):
