@@ -214,7 +214,7 @@ def print_findings(report, *, file=None) -> None:
 
 
 def cmd_check(args) -> int:
-    if args.device is not None:
+    if args.device is not None and not args.no_memory:
         from moe_runtime.environment import Environment
 
         problem = Environment.device_problem(args.device)

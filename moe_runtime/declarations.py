@@ -450,9 +450,16 @@ def check_factory(spec, environment: Environment | None) -> Verdict:
 _FACTORY_PROBLEMS: dict[tuple[str, str], str | None] = {}
 
 
+def forget_factory_problems() -> None:
+    """Try every factory again (each :func:`~moe_runtime.planner.plan_model` starts so): a package
+    installed or mended since the last plan is seen by the next."""
+    _FACTORY_PROBLEMS.clear()
+
+
 def factory_problem(factory: str, backend: str) -> str | None:
     """Why ``factory`` does not load in this process (:func:`load_factory`'s message), or None;
-    tried once per process and factory (the planner asks once per layer)."""
+    tried once per factory until :func:`forget_factory_problems` (the planner asks once per
+    layer, and forgets at the start of each model's plan)."""
     key = (factory, backend)
     if key not in _FACTORY_PROBLEMS:
         try:

@@ -23,6 +23,7 @@ from moe_runtime.declarations import (
     Reason,
     Support,
     check_factory,
+    forget_factory_problems,
     is_bytes_per_weight,
 )
 from moe_runtime.environment import Environment
@@ -787,6 +788,7 @@ def plan_model(
     notes (which cache was read, or why one was ignored) become the plan's notes.
     """
     check_deployment(registry, deployment)
+    forget_factory_problems()  # a kernels package installed or mended since the last plan
     layers, rejections, errors = [], [], []
     for p in problems:
         try:

@@ -147,14 +147,19 @@ class Registry:
         for other_table in (self.experts, self.comms):
             if spec.name in other_table:
                 other = other_table[spec.name].plugin
+                if other == plugin:
+                    raise RegistryError(
+                        f"plugin {plugin!r} registers backend name {spec.name!r} twice; backend "
+                        "names must be unique: fix the plugin, or block it with "
+                        f"-p no:{plugin}")
                 # the plugin names are what -p no: takes; the built-ins are blocked as a whole
-                options = " or ".join(f"-p no:{p}" for p in dict.fromkeys((plugin, other))
-                                      if p != BUILTIN_NAME)
+                names = [p for p in (plugin, other) if p != BUILTIN_NAME]
+                options = " or ".join(f"-p no:{p}" for p in names)
                 raise RegistryError(
                     f"backend name {spec.name!r} is registered by both plugin {other!r} and "
                     f"plugin {plugin!r}; backend names must be unique: uninstall one of the "
                     f"two, or block one with {options} (MOE_RUNTIME_BLOCK_PLUGINS="
-                    f"{plugin} in the environment)"
+                    f"{names[0]} in the environment)"
                 )
         table[spec.name] = Registered(spec, plugin)
 

@@ -165,26 +165,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _kv_sequences(args, model_dir) -> tuple[int, int | None]:
     """``(sequences, tokens each)`` the KV cache will hold (kv_budget's order), for the memory
-    check before the weights are read: ``--kv-cache-tokens N`` is N tokens, ``--max-num-seqs``
-    sequences of the context otherwise; ``--gpu-memory-utilization`` sizes the cache from what is
-    left once the model is loaded, so only one sequence is asked of the estimate then."""
-    context = args.max_model_len
-    if context is not None:  # capped by the model's context, as the engine caps it
-        from moe_runtime.checkpoint.quant_config import load_json
+    check before the weights are read: ``--kv-cache-tokens N`` is N tokens (cut, as the budget
+    cuts it, to ``--max-num-seqs`` sequences of the context), ``--max-num-seqs`` sequences of the
+    context otherwise. One sequence only where the cache is not allocated at start: with
+    ``--gpu-memory-utilization`` it is sized from what is left once the model is loaded, and the
+    dynamic cache (the batching path of models the paged cache cannot hold) grows with its
+    requests."""
+    try:
+        from transformers import AutoConfig
 
-        try:
-            config = load_json(Path(model_dir) / "config.json")
-            fields = config.get("text_config") if isinstance(config.get("text_config"),
-                                                              dict) else config
-            model_len = fields.get("max_position_embeddings")
-            if isinstance(model_len, int) and not isinstance(model_len, bool) and model_len > 0:
-                context = min(context, model_len)
-        except Exception:  # noqa: BLE001 - the checkpoint check reports an unreadable config
-            pass
-    if args.kv_cache_tokens is not None:
-        return 1, args.kv_cache_tokens
-    if args.gpu_memory_utilization is not None:
+        from moe_runtime.serve.batching import CONTINUOUS, choose_batching
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        paged = choose_batching(config, args.batching).path == CONTINUOUS
+        fields = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_len = getattr(fields, "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001 - the checkpoint check and the loader report a bad config
+        return 1, args.max_model_len
+    if not (isinstance(model_len, int) and not isinstance(model_len, bool) and model_len > 0):
+        model_len = None  # the engine then takes the tokenizer's length, else 2048
+    context = args.max_model_len
+    if context is not None and model_len is not None:  # capped, as the engine caps it
+        context = min(context, model_len)
+    if not paged or args.gpu_memory_utilization is not None:
         return 1, context
+    if args.kv_cache_tokens is not None:
+        return 1, min(args.kv_cache_tokens, args.max_batch_size * (context or model_len or 2048))
     return args.max_batch_size, context
 
 
@@ -469,14 +475,17 @@ def _load_engine(args: argparse.Namespace, source: ServeSource, log):
     try:
         context = context_length_of(loaded, args.max_model_len)
         if args.max_model_len is not None and args.max_model_len > context:
-            log.warning("--max-model-len %d is past the model's context of %d tokens (its "
-                        "config's max_position_embeddings): requests get at most %d",
-                        args.max_model_len, context, context)
+            log.warning("--max-model-len %d is past the model's context of %d tokens: "
+                        "requests get at most %d", args.max_model_len, context, context)
+        from moe_runtime.serve.batching import CONTINUOUS, choose_batching
+
         budget = kv_budget(config=loaded.model.config, dtype_bytes=loaded.model.dtype.itemsize,
                            device=device, context_length=context,
                            max_num_seqs=args.max_batch_size,
                            kv_cache_tokens=args.kv_cache_tokens,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           allocated_up_front=choose_batching(
+                               loaded.model.config, args.batching).path == CONTINUOUS)
         engine = Engine(loaded, max_batch_size=args.max_batch_size,
                         max_model_len=args.max_model_len, batching=args.batching,
                         debug=args.debug, kv_cache_tokens=budget.tokens, seed=args.seed)

@@ -74,8 +74,12 @@ def _memory(device: str) -> tuple[int, int]:
 
 def kv_budget(*, config, dtype_bytes: int, device: str, context_length: int, max_num_seqs: int,
               kv_cache_tokens: int | None = None,
-              gpu_memory_utilization: float | None = None) -> KVBudget:
-    """The KV budget for the options (see the module's order); raises :class:`BudgetError`."""
+              gpu_memory_utilization: float | None = None,
+              allocated_up_front: bool = True) -> KVBudget:
+    """The KV budget for the options (see the module's order); raises :class:`BudgetError`.
+    ``allocated_up_front``: the cache is allocated at start (the paged cache of continuous
+    batching), so it must fit the free memory; the dynamic cache grows with its requests and
+    the budget only bounds admission."""
     per_token = bytes_per_token(config, dtype_bytes)
     if kv_cache_tokens is not None:
         budget = KVBudget(kv_cache_tokens, per_token, "--kv-cache-tokens")
@@ -107,7 +111,7 @@ def kv_budget(*, config, dtype_bytes: int, device: str, context_length: int, max
         raise BudgetError(f"the KV cache of {budget.tokens} tokens ({budget.source}) cannot hold "
                           f"one sequence of the full context, {context_length} tokens: raise "
                           "--kv-cache-tokens or lower --max-model-len")
-    if gpu_memory_utilization is None:  # sized from the options alone: it must fit what is free
+    if gpu_memory_utilization is None and allocated_up_front:  # sized from the options alone
         free = _free(device)
         need = budget.tokens * per_token
         if free is not None and need > free:
@@ -132,13 +136,11 @@ def _free(device: str) -> int | None:
             # what torch's allocator holds but does not use is free to the cache too
             return int(free + torch.cuda.memory_reserved(index)
                        - torch.cuda.memory_allocated(index))
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, RuntimeError, ValueError):
+        from moe_runtime.checkpoint.memory import MachineMemory
+
+        return MachineMemory.probe("cpu").available_bytes  # MemAvailable, capped by a cgroup
+    except (OSError, RuntimeError, ValueError, AttributeError):
         return None
-    return None
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -264,7 +264,7 @@ def _require_compilable_chat_template(tokenizer, tok_dir: Path, origin: str | No
     client's messages. ``origin``: where a ``--chat-template`` came from (``None``: the
     tokenizer's own, from ``tok_dir``)."""
     templates = tokenizer.chat_template
-    if not templates:
+    if templates is None or (isinstance(templates, (str, dict)) and not templates):
         return  # none: a chat request is told so (use /v1/completions, or --chat-template)
     import jinja2
 
@@ -279,6 +279,8 @@ def _require_compilable_chat_template(tokenizer, tok_dir: Path, origin: str | No
             return env.from_string(text)
     named = templates.items() if isinstance(templates, dict) else [(None, templates)]
     for name, text in named:
+        if not isinstance(text, str) and name not in (None, "default"):
+            continue  # a named one is used only by the requests that select it
         if not isinstance(text, str):
             # transformers stores whatever tokenizer_config.json says; jinja then fails on every
             # chat request ("Can't compile non template nodes")

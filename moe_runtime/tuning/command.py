@@ -145,6 +145,9 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="timing", file=sys.stderr)
 
 
+_LARGEST_CACHE = 256 << 20  # bytes; a cache of every shape of every model is far smaller
+
+
 def _existing(path: Path, *, warn: bool = True) -> list[Section]:
     """The sections already in the cache at ``path`` (none where there is no file, or an outdated
     cache, which is replaced). A file that is not a tuning cache is never written over: it may be
@@ -153,6 +156,14 @@ def _existing(path: Path, *, warn: bool = True) -> list[Section]:
     if not path.is_file():
         return []
     try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    if size > _LARGEST_CACHE:  # a checkpoint's weights, not a cache: not read into memory
+        raise SystemExit(f"error: {path} exists and is not a tuning cache ({size} bytes, where a "
+                         "cache holds kilobytes); it is not written over: name a new file (or a "
+                         "tuning cache) with --cache, or remove it")
+    try:
         return read_sections(path)
     except OutdatedCacheError as exc:
         if warn:
@@ -160,9 +171,31 @@ def _existing(path: Path, *, warn: bool = True) -> list[Section]:
                   file=sys.stderr)
         return []
     except CacheFormatError as exc:
-        raise SystemExit(f"error: {path} exists and is not a tuning cache ({exc}); it is not "
-                         "written over: name a new file (or a tuning cache) with --cache, or "
-                         "remove it") from None
+        if _tuning_schema(path):  # ours, with a bad record: its measurements are lost anyway
+            if warn:
+                print(f"warning: {path} is a damaged tuning cache ({exc}); it is replaced",
+                      file=sys.stderr)
+            return []
+        try:
+            with open(path, "rb") as f:  # readable (one byte: it may be gigabytes of weights)
+                f.read(1)
+            what = "exists and is not a tuning cache"
+        except OSError:
+            what = "cannot be read"
+        raise SystemExit(f"error: {path} {what} ({exc}); it is not written over: name a new "
+                         "file (or a tuning cache) with --cache, or remove it") from None
+
+
+def _tuning_schema(path: Path) -> bool:
+    """Whether the JSON file at ``path`` says it is a moe-runtime tuning cache (any schema)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    schema = data.get("schema") if isinstance(data, dict) else None
+    return isinstance(schema, str) and schema.startswith("moe-runtime-tuning/")
 
 
 def print_results(shapes, measurements, file=None) -> None:

@@ -225,6 +225,19 @@ def test_tune_never_writes_over_a_file_that_is_not_a_tuning_cache(checkpoint, tm
     assert "Traceback" not in r.stderr
 
 
+def test_a_damaged_tuning_cache_of_the_current_schema_is_replaced_with_a_warning(checkpoint,
+                                                                                  tmp_path):
+    from moe_runtime.tuning.cache import SCHEMA
+
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "sections": [{"key": 5}]}))
+    r = run_cli("tune", str(checkpoint), "--tokens", "1", "--cache", str(path), "--repeats", "3",
+                "--no-progress", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"warning: {path} is a damaged tuning cache" in r.stderr
+    assert json.loads(path.read_text())["sections"][0]["measurements"]
+
+
 def test_a_cache_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     from moe_runtime.tuning.cache import write_sections
 

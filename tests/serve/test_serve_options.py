@@ -342,7 +342,9 @@ def test_a_kv_cache_too_small_for_one_context_is_refused_at_start(model_dir, arg
 
 @pytest.mark.parametrize("argv, sized", [
     (["--max-num-seqs", "100000000"], "at batch 100000000 x 1024 tokens"),
-    (["--kv-cache-tokens", "100000000000"], "at batch 1 x 100000000000 tokens"),
+    # --kv-cache-tokens is cut to --max-num-seqs sequences of the context, here as in the budget
+    (["--kv-cache-tokens", "100000000000", "--max-num-seqs", "100000000"],
+     "at batch 1 x 100000000000 tokens"),
     # --max-model-len past the model's context is capped by it, here as in the engine
     (["--max-num-seqs", "100000000", "--max-model-len", "999999"], "x 1024 tokens"),
 ])
@@ -353,6 +355,24 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_loading(model_dir, argv
     assert "serving needs about" in r.stderr and sized in r.stderr, r.stderr
     assert "KV cache" in r.stderr and "Traceback" not in r.stderr
     assert "Loading" not in r.stderr  # refused by the estimate, before the weights were read
+
+
+def test_a_kv_cache_tokens_the_budget_cuts_is_not_refused(server_factory, model_dir):
+    s = server_factory([str(model_dir), "--kv-cache-tokens", "100000000000"])
+    [line] = s.lines_with("KV cache: ")
+    assert "8192 tokens" in line and "cut to the --max-num-seqs 8 sequences" in line, line
+    s.stop()
+
+
+def test_the_dynamic_cache_grows_with_its_requests_and_is_not_refused(server_factory, model_dir):
+    # allocated as requests come (the path of every model the paged cache cannot hold): the
+    # budget only bounds admission, so the options' cache need not fit at start
+    s = server_factory([str(model_dir), "--batching", "dynamic", "--max-num-seqs", "100000"])
+    assert s.lines_with("dynamic-cache batching")
+    r = httpx.post(s.base_url + "/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": s.model, "prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    s.stop()
 
 
 def test_the_cache_sized_from_the_options_must_fit_the_free_memory(model_dir):
@@ -372,6 +392,10 @@ def test_the_cache_sized_from_the_options_must_fit_the_free_memory(model_dir):
     with pytest.raises(BudgetError, match="free once the model is loaded"):
         kv_budget(config=config, dtype_bytes=4, device="cpu", context_length=1024,
                   max_num_seqs=10**10, kv_cache_tokens=10**13)
+    # a cache that grows with its requests only bounds admission
+    grows = kv_budget(config=config, dtype_bytes=4, device="cpu", context_length=1024,
+                      max_num_seqs=10**9, allocated_up_front=False)
+    assert grows.tokens == 10**9 * 1024
 
 
 def test_help_names_the_vllm_options_and_their_aliases():

@@ -138,7 +138,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_start(chat_ckpt, tm
     assert "Loading" not in line
 
 
-@pytest.mark.parametrize("value", [5, True, {"default": 7}])
+@pytest.mark.parametrize("value", [5, True, False, 0, {"default": 7}])
 def test_a_chat_template_that_is_not_a_string_is_refused_at_start(chat_ckpt, value):
     # it passed start-up, and every chat request then got a 400 "Can't compile non template
     # nodes" blaming the client's messages

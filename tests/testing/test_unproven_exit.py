@@ -21,12 +21,27 @@ PLUGIN = '''
 '''
 
 
+# a communication mode with a token bound: its token-bound cases only plan (no kernel runs), so
+# they pass on any machine and must not count as proof
+COMM = '''
+    from moe_runtime import CommBackendSpec, CommSupport, Hardware, hookimpl
+
+    @hookimpl
+    def moe_runtime_register_backends(register):
+        register(CommBackendSpec(
+            name="gpu_comm", factory="moe_runtime.backends.local:LocalComm", priority=-5,
+            supports=[CommSupport(layout="token_major", max_world_size=1, max_tokens_per_rank=128,
+                                  hardware=Hardware(devices=["cuda"]), mode="bounded")]))
+'''
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("unproven")
     srcs = [build_plugin_dist(root, f"moe-runtime-{name}", name, name,
                               PLUGIN.format(name=name, dev=dev))
             for name, dev in (("gpu_only", '"cuda"'), ("cpu_too", '"cpu"'))]
+    srcs.append(build_plugin_dist(root, "moe-runtime-gpu-comm", "gpu_comm", "gpu_comm", COMM))
     pip_install_target(srcs, root / "site")
     return root / "site"
 
@@ -74,3 +89,9 @@ def test_a_selection_of_no_kernel_case_is_not_called_unproven(site, no_cuda):
     r = run_cli("conformance", "gpu_only", "--", "-k", "refuses", site=site)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "not proven" not in r.stderr
+
+
+def test_a_comm_backend_whose_round_trips_were_all_skipped_is_unproven(site, no_cuda):
+    r = run_cli("conformance", "gpu_comm", site=site)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "no case that runs backend 'gpu_comm' ran on this machine" in r.stderr
