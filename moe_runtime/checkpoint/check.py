@@ -362,12 +362,21 @@ class _Check:
         self._expert_tensors: dict[str, list[str]] | None = None
 
     def add(self, rule: str, where: str, problem: str, accepted: str = "") -> None:
+        said = f"{where}: {problem};" if where else f"{problem};"
+        # the reader's error said it already (head_dim is '16'; expected ...): this one, which
+        # says what is accepted, replaces it
+        self.findings[:] = [f for f in self.findings
+                            if f.where or not f.paragraph.startswith(said)]
         self.findings.append(Finding(rule, where, problem, accepted))
 
     def add_error(self, rule: str, exc: CheckpointError) -> None:
         finding = Finding(rule, "", str(exc))
-        if finding not in self.findings:  # one config error hit by each module it resolves
-            self.findings.append(finding)
+        if finding in self.findings:  # one config error hit by each module it resolves
+            return
+        if any(finding.problem.startswith(f"{f.where}: {f.problem};") for f in self.findings
+               if f.where):
+            return  # a rule of the check said it already, with what is accepted
+        self.findings.append(finding)
 
     def run(self, *, batch_size: int, context_tokens: int | None, ep_size: int,
             plan: Any = None) -> None:

@@ -1220,6 +1220,16 @@ def test_plan_refuses_an_ep_size_of_0_as_an_error(qwen3_nvfp4, capsys):
     assert str(info.value.code) == "error: --ep-size must be at least 1, got 0"
 
 
+@pytest.mark.parametrize("field", ["head_dim", "num_key_value_heads"])
+def test_a_size_of_the_wrong_type_is_one_finding_not_two(damaged, field):
+    # the reader's error and the size rule both said it: "head_dim is '16'" twice
+    folder = damaged(Damage(f"{field}_a_string", "qwen3_fp8", set_config(**{field: "16"}),
+                            "config", [field]))
+    report = check_checkpoint(folder, machine=None)
+    said = [f.paragraph for f in report.findings if f"{field} is '16'" in f.paragraph]
+    assert len(said) == 1, [f.paragraph for f in report.findings]
+
+
 @pytest.mark.parametrize("which", ["truncated_weights", "unknown_dtype_in_header"])
 def test_a_tensor_with_a_bad_header_entry_is_not_also_reported_missing(damaged, which):
     # serve printed the truncation, then "tensor ... is missing" for the same tensor
