@@ -781,8 +781,24 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         else:
             shown = clip(err.get("input"), 80, quoted=True)
             message = f"invalid value for {param!r}: {clip(err['msg'], 500)} (got {shown})"
+            branches = _union_branches(exc.errors(), err["loc"])
+            if len(branches) > 1:  # "a valid string" alone hid that a list is accepted too
+                message += f"; accepted: {' or '.join(branches)}"
         raise invalid(message, param, "invalid_type" if err["type"].endswith("_type") else
                       "invalid_value") from None
+
+
+def _union_branches(errors, loc) -> list[str]:
+    """The union members pydantic tried for the field of ``loc`` (its first error), in order:
+    ``["str", "list[str]"]`` for ``stop``; empty where the field is no union."""
+    cut = next((i for i, x in enumerate(loc) if _is_union_branch(x)), None)
+    if cut is None:
+        return []
+    head = tuple(loc[:cut])
+    found = [e["loc"][cut] for e in errors
+             if tuple(e["loc"][:cut]) == head and len(e["loc"]) > cut
+             and _is_union_branch(e["loc"][cut])]
+    return [str(b)[:60] for b in dict.fromkeys(found)]
 
 
 def _is_union_branch(loc_item) -> bool:

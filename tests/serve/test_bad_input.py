@@ -61,6 +61,19 @@ def test_a_value_out_of_range_is_a_400(http, server, field, value):
     assert_error(http.post("/v1/completions", json=body), 400, param=field)
 
 
+@pytest.mark.parametrize("route, body, param, accepted", [
+    ("/v1/completions", {"prompt": "Hi", "stop": [1, 2]}, "stop", "accepted: str or list[str]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content", "accepted: str or list["),
+])
+def test_a_value_of_no_member_of_a_union_names_every_accepted_kind(http, server, route, body,
+                                                                   param, accepted):
+    # "Input should be a valid string" alone hid that a list is accepted as well
+    err = assert_error(http.post(route, json={"model": server.model, **body}), 400,
+                       param=param)
+    assert accepted in err["message"], err["message"]
+
+
 def test_too_many_stop_strings_are_a_400_saying_how_many_are_accepted(http, server):
     body = {"model": server.model, "prompt": "hello", "max_tokens": 2,
             "stop": [str(i) for i in range(17)]}
