@@ -789,14 +789,17 @@ class Engine:
             raise EngineUnavailable("prompt log-probabilities need the dynamic-cache batcher")
         request_id = f"score-{uuid.uuid4().hex}"
         outputs: asyncio.Queue = asyncio.Queue()
-        self._live[request_id] = (asyncio.get_running_loop(), outputs)
         manager.register_result_handler(request_id, outputs.put_nowait)
         if manager.add_scoring(list(prompt_ids), request_id, top) is None:
             raise EngineUnavailable("the generation engine is stopping")
+        self._live[request_id] = (asyncio.get_running_loop(), outputs)
         try:
             out = await outputs.get()
         finally:
+            self._live.pop(request_id, None)  # each request's entry goes with it
             manager.cancel_request(request_id)
+        if isinstance(out, _Abort):
+            raise EngineUnavailable(out.reason)
         if out.error is not None:
             raise EngineError(out.error)
         return [None] + [TokenLogprob(t, lp, tuple(top_)) for t, lp, top_ in out.prompt_logprobs]

@@ -70,6 +70,36 @@ def test_dynamic_batching_prefills_within_the_token_bound(loaded, model_dir):
     assert results["bounded scored"] == results["free scored"]
 
 
+def test_prompt_scoring_leaves_no_live_entry_and_a_shutdown_abort_ends_it(loaded):
+    # each scoring request's entry for abort_all stayed behind after it ended; an abort reaching
+    # it raised AttributeError (the abort has no .error) instead of EngineUnavailable
+    from moe_runtime.serve.engine import EngineUnavailable
+
+    engine = Engine(loaded, max_batch_size=2, batching="dynamic")
+    engine.start()
+    try:
+        prompt = engine.encode_prompt("Once upon a time")
+        for _ in range(3):
+            assert len(asyncio.run(engine.prompt_logprobs(prompt, 1))) == len(prompt)
+        assert engine._live == {}
+
+        async def aborted():
+            task = asyncio.ensure_future(engine.prompt_logprobs(prompt, 1))
+            while not engine._live and not task.done():
+                await asyncio.sleep(0)
+            engine.abort_all("the server is shutting down")
+            return await task
+
+        try:
+            asyncio.run(aborted())
+        except EngineUnavailable as exc:
+            assert "shutting down" in str(exc)
+        # (a forward that finished before the abort arrived answers normally)
+        assert engine._live == {}
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("batching", ["continuous", "dynamic"])
 def test_finished_requests_free_their_rows_while_the_event_loop_is_busy(loaded, batching):
     # each sampled request holds a sampler row from its first token; the batching thread must not
