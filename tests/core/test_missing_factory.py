@@ -61,14 +61,21 @@ def checkpoint(tmp_path_factory):
                                 quant="bf16", num_layers=2)
 
 
-def test_the_plan_goes_to_the_next_backend_and_names_what_to_install(sites, checkpoint):
-    site, _ = sites
-    r = run_cli("plan", str(checkpoint), "--json", site=site, timeout=300)
+def _refused_and_passed_over(checkpoint, site, env=None) -> tuple[str, str]:
+    """Plan with the declarations installed: the backend planned for no layer, and its one
+    rejection ``(reason, message)``."""
+    r = run_cli("plan", str(checkpoint), "--json", site=site, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert "declared_only" not in {lp["experts"] for lp in plan["layers"]}
     (rej,) = {(x["reason"], x["message"]) for x in plan["rejections"]
               if x["backend"] == "declared_only"}
+    return rej
+
+
+def test_the_plan_goes_to_the_next_backend_and_names_what_to_install(sites, checkpoint):
+    site, _ = sites
+    rej = _refused_and_passed_over(checkpoint, site)
     assert rej[0] == "missing_dependency"
     assert "absent_kernels_pkg.experts:Experts" in rej[1] and "install" in rej[1]
 
@@ -115,12 +122,7 @@ def test_a_package_whose_factory_does_not_load_is_refused_and_the_next_backend_r
     # the top-level package imports, so the module check passes; the factory itself does not load
     site, kernels = sites
     env = {"PYTHONPATH": f"{site}:{kernels.parent / broken}"}
-    r = run_cli("plan", str(checkpoint), "--json", site=site, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(r.stdout)
-    assert "declared_only" not in {lp["experts"] for lp in plan["layers"]}
-    (rej,) = {(x["reason"], x["message"]) for x in plan["rejections"]
-              if x["backend"] == "declared_only"}
+    rej = _refused_and_passed_over(checkpoint, site, env)
     assert rej[0] == "missing_dependency"
     assert "factory 'absent_kernels_pkg.experts:Experts' does not load" in rej[1], rej[1]
     assert says in rej[1], rej[1]
